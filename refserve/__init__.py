@@ -1,0 +1,1 @@
+"""refserve: a readable reference implementation of LLM inference serving."""

@@ -1,0 +1,111 @@
+"""A sequence: one stream of tokens the engine is generating.
+
+A request with `SamplingParams(n=4)` becomes one sequence that is prefilled once and then
+forked into four (copy-on-write shares the prompt's blocks). Everything the scheduler and the
+KV-cache manager need to know about a sequence lives here:
+
+    token_ids            prompt + output so far (the history prefix caching hashes and an
+                         n-gram proposer searches)
+    num_computed_tokens  how many of token_ids have their K/V in the cache. A step computes
+                         tokens [num_computed_tokens, num_computed_tokens + n); when that
+                         reaches num_tokens the last logits sample the next token.
+
+Invariant: 0 <= num_computed_tokens <= num_tokens, and num_computed_tokens == num_tokens only
+between the step that computed the last token and the append of the token it sampled (or
+after the sequence finished).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from refserve.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, arrival_time: float = 0.0,
+                 seq_id: int | None = None) -> None:
+        self.seq_id = next(_seq_ids) if seq_id is None else seq_id
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        # Parallel sampling (n > 1): the index of this child, and whether the parent has
+        # already been forked. An unforked parent reserves n seats in the running batch.
+        self.child_index = 0
+        self.forked = sampling_params.n == 1
+        # Times filled in by the engine (seconds, time.perf_counter clock).
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_seats(self) -> int:
+        """Batch seats this sequence holds: n for a parent that will fork, else 1."""
+        return 1 if self.forked else self.sampling_params.n
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def fork(self, seq_id: int | None = None) -> "Sequence":
+        """A child with the same tokens and computed state (its blocks are shared by the
+        KV-cache manager's `fork`, not here)."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.sampling_params,
+                         self.arrival_time, seq_id)
+        child.output_token_ids = list(self.output_token_ids)
+        child.token_ids = list(self.token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.forked = True
+        child.first_token_time = self.first_token_time
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, "
+                f"status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
