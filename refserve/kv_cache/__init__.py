@@ -1,0 +1,12 @@
+"""The PagedAttention control plane: which physical KV-cache block holds which tokens.
+
+    BlockAllocator   fixed pool of physical blocks, O(1) free queue, ref counts
+    BlockTable       one sequence's logical -> physical block map, slot arithmetic
+    PrefixCache      hash chain of full blocks, so equal prefixes share blocks
+    KVCacheManager   what the scheduler talks to (allocate, copy-on-write, fork, free)
+"""
+
+from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
+from refserve.kv_cache.block_table import BlockTable
+
+__all__ = ["BlockAllocator", "BlockTable", "NoFreeBlocksError"]

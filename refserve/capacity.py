@@ -1,0 +1,360 @@
+"""Capacity math: how many tokens of KV cache fit on a GPU, and how many sequences that serves.
+
+Every token a sequence has seen keeps one key vector and one value vector per layer per KV
+head in the cache. So
+
+    KV bytes per token = 2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+Llama-3-8B (32 layers, 8 KV heads of 128, float16): 2 * 32 * 8 * 128 * 2 = 131072 bytes,
+128 KiB per token, so a 2048-token context is 256 MiB. Grouped-query attention (8 KV heads
+for 32 query heads) is what keeps this 4x smaller than it would be with 32 KV heads.
+
+Paged KV cache: memory is cut into blocks of `block_size` tokens.
+
+    blocks for n tokens          = ceil(n / block_size)
+    tokens in the last block     = n - (blocks - 1) * block_size       (1 .. block_size)
+    internal fragmentation       = blocks * block_size - n             (< block_size)
+    KV bytes per block           = block_size * KV bytes per token
+    pool (blocks)                = floor((memory * utilisation - weights) / bytes per block)
+    max concurrent sequences     = floor(pool / blocks for one sequence)
+
+Run `python -m refserve.capacity --model llama-3-8b --memory 80GiB --context 2048` for a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+# ---- the arithmetic ----------------------------------------------------------------------
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype_bytes: int) -> int:
+    """2 * num_layers * num_kv_heads * head_dim * dtype_bytes (the 2 is one K plus one V)."""
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+        _require_positive_int(name, value)
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size): blocks a sequence of `num_tokens` tokens occupies."""
+    _require_positive_int("block_size", block_size)
+    if not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens!r}: must be an integer >= 0")
+    # -(-a // b) is ceiling division on integers, with no float rounding.
+    return -(-num_tokens // block_size)
+
+
+def last_block_fill(num_tokens: int, block_size: int) -> int:
+    """Tokens held by the last block: num_tokens - (blocks - 1) * block_size, in 1..block_size
+    (0 when there are no tokens). The last block wastes block_size - fill slots."""
+    blocks = blocks_for_tokens(num_tokens, block_size)
+    return 0 if blocks == 0 else num_tokens - (blocks - 1) * block_size
+
+
+def kv_bytes_per_block(bytes_per_token: int, block_size: int) -> int:
+    """block_size * KV bytes per token (all layers' K and V for block_size tokens)."""
+    _require_positive_int("bytes_per_token", bytes_per_token)
+    _require_positive_int("block_size", block_size)
+    return block_size * bytes_per_token
+
+
+def num_blocks_for_memory(free_bytes: int, gpu_memory_utilization: float, weights_bytes: int,
+                          bytes_per_block: int, activation_bytes: int = 0) -> int:
+    """floor((free_bytes * gpu_memory_utilization - weights_bytes - activation_bytes)
+    / bytes_per_block).
+
+    The engine may use a fraction `gpu_memory_utilization` of the device memory (the rest is
+    head-room for the CUDA context, other processes and fragmentation of the allocator).
+    Inside that budget the weights come first; whatever is left becomes the KV-cache pool,
+    allocated once at start-up and cut into blocks. (A real engine also measures the peak
+    activation memory of a forward pass and subtracts it: `activation_bytes`.)
+    Raises ValueError if the weights alone do not fit in the budget.
+    """
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization!r}: must be in (0, 1]")
+    _require_positive_int("bytes_per_block", bytes_per_block)
+    budget = int(free_bytes * gpu_memory_utilization)
+    left = budget - weights_bytes - activation_bytes
+    if left < 0:
+        raise ValueError(
+            f"the weights ({format_bytes(weights_bytes)}) do not fit in "
+            f"{gpu_memory_utilization} x {format_bytes(free_bytes)} = {format_bytes(budget)}")
+    return left // bytes_per_block
+
+
+def max_concurrent_sequences(num_blocks: int, avg_tokens: int, block_size: int) -> int:
+    """floor(num_blocks / ceil(avg_tokens / block_size)): sequences of `avg_tokens` tokens
+    the pool holds at once. Each wastes at most one partly filled block, unlike a contiguous
+    cache that reserves max_model_len slots per sequence."""
+    per_sequence = blocks_for_tokens(avg_tokens, block_size)
+    if per_sequence == 0:
+        raise ValueError("avg_tokens must be >= 1")
+    return num_blocks // per_sequence
+
+
+# ---- model weights -----------------------------------------------------------------------
+
+# Hugging Face config.json fields of the two presets (only the ones the math reads).
+PRESETS: dict[str, dict] = {
+    "smollm2-135m": {
+        "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+    },
+    "llama-3-8b": {
+        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
+    },
+}
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+
+
+def _config_int(config: dict, key: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if value is None:
+        raise ValueError(f"model config is missing {key!r}")
+    _require_positive_int(key, value)
+    return value
+
+
+def model_shape(config: dict) -> dict[str, int]:
+    """The integer shape fields of a Llama-family HF config, with HF's defaults applied:
+    num_key_value_heads defaults to num_attention_heads (no GQA), head_dim to
+    hidden_size // num_attention_heads."""
+    hidden = _config_int(config, "hidden_size")
+    heads = _config_int(config, "num_attention_heads")
+    return {
+        "num_layers": _config_int(config, "num_hidden_layers"),
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": _config_int(config, "num_key_value_heads", heads),
+        "head_dim": _config_int(config, "head_dim", hidden // heads),
+        "intermediate_size": _config_int(config, "intermediate_size"),
+        "vocab_size": _config_int(config, "vocab_size"),
+    }
+
+
+def num_parameters(config: dict) -> int:
+    """Parameter count of a Llama-family model (Llama, Mistral, SmolLM, Qwen2).
+
+        embeddings      vocab * hidden
+        lm_head         vocab * hidden, unless tie_word_embeddings (then it reuses embeddings)
+        per layer:
+          attention     q: hidden * heads*hd     k, v: hidden * kv_heads*hd each
+                        o: heads*hd * hidden     (+ q/k/v biases when present)
+          MLP           gate, up: hidden * inter each; down: inter * hidden (SwiGLU)
+          norms         2 * hidden (RMSNorm before attention and before the MLP)
+        final norm      hidden
+
+    Biases: Qwen2 has q/k/v biases; Llama's `attention_bias: true` adds q/k/v/o biases and
+    `mlp_bias: true` adds MLP biases. A missing tie_word_embeddings means untied (the
+    default of LlamaConfig).
+    """
+    s = model_shape(config)
+    hidden, hd = s["hidden_size"], s["head_dim"]
+    q_dim, kv_dim = s["num_heads"] * hd, s["num_kv_heads"] * hd
+
+    if config.get("model_type") == "qwen2":
+        qkv_bias, o_bias = True, False
+    else:
+        qkv_bias = o_bias = bool(config.get("attention_bias", False))
+    mlp_bias = bool(config.get("mlp_bias", False))
+
+    attention = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
+    if qkv_bias:
+        attention += q_dim + 2 * kv_dim
+    if o_bias:
+        attention += hidden
+    mlp = 3 * hidden * s["intermediate_size"]
+    if mlp_bias:
+        mlp += 2 * s["intermediate_size"] + hidden
+    per_layer = attention + mlp + 2 * hidden
+
+    embeddings = s["vocab_size"] * hidden
+    lm_head = 0 if config.get("tie_word_embeddings", False) else embeddings
+    return embeddings + lm_head + s["num_layers"] * per_layer + hidden
+
+
+def weights_bytes(config: dict, dtype_bytes: int = 2) -> int:
+    """num_parameters(config) * dtype_bytes."""
+    _require_positive_int("dtype_bytes", dtype_bytes)
+    return num_parameters(config) * dtype_bytes
+
+
+# ---- parsing and formatting --------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """'80GiB' -> 85899345920, '24GB' -> 24000000000, '512MiB', '1.5GiB', '4096' (bytes).
+    Units are case-insensitive; GB is 10^9 bytes, GiB is 2^30."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot parse memory size {text!r}: expected a number and a unit, "
+            f"like 80GiB, 24GB or 512MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"memory size {text!r} must be > 0")
+    return value
+
+
+def format_bytes(num_bytes: float) -> str:
+    """1536 -> '1.50 KiB' (binary units)."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def load_model_config(model: str) -> tuple[str, dict]:
+    """A preset name or a folder holding config.json -> (display name, config dict)."""
+    if model.lower() in PRESETS:
+        return model.lower(), PRESETS[model.lower()]
+    path = Path(model)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ValueError(
+            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a folder "
+            f"holding config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {config_path}: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} does not hold a JSON object")
+    # Some multimodal checkpoints nest the language model under text_config.
+    config = config.get("text_config", config)
+    return str(path), config
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+
+
+# ---- command line ------------------------------------------------------------------------
+
+
+def capacity_report(config: dict, memory_bytes: int, context: int, block_size: int = 16,
+                    dtype_bytes: int = 2, gpu_memory_utilization: float = 0.9) -> dict:
+    """All the numbers the CLI prints, as a dict (handy for tests and notebooks)."""
+    shape = model_shape(config)
+    per_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"],
+                                   shape["head_dim"], dtype_bytes)
+    per_block = kv_bytes_per_block(per_token, block_size)
+    weights = weights_bytes(config, dtype_bytes)
+    num_blocks = num_blocks_for_memory(memory_bytes, gpu_memory_utilization, weights,
+                                       per_block)
+    blocks_per_seq = blocks_for_tokens(context, block_size)
+    return {
+        **shape,
+        "parameters": num_parameters(config),
+        "weights_bytes": weights,
+        "kv_bytes_per_token": per_token,
+        "kv_bytes_per_block": per_block,
+        "budget_bytes": int(memory_bytes * gpu_memory_utilization),
+        "num_blocks": num_blocks,
+        "pool_tokens": num_blocks * block_size,
+        "blocks_per_sequence": blocks_per_seq,
+        "last_block_fill": last_block_fill(context, block_size),
+        "wasted_slots_per_sequence": blocks_per_seq * block_size - context,
+        "kv_bytes_per_sequence": blocks_per_seq * per_block,
+        "max_concurrent_sequences": max_concurrent_sequences(num_blocks, context, block_size),
+    }
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _utilization(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m refserve.capacity",
+        description="How much KV cache fits, and how many sequences it serves.")
+    parser.add_argument("--model", required=True,
+                        help=f"folder with config.json, or a preset: {', '.join(PRESETS)}")
+    parser.add_argument("--memory", required=True, type=_memory,
+                        help="device memory, e.g. 80GiB, 24GB, 512MiB")
+    parser.add_argument("--context", required=True, type=_positive_int,
+                        help="tokens per sequence (prompt + output)")
+    parser.add_argument("--block-size", type=_positive_int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float16",
+                        help="dtype of weights and KV cache")
+    parser.add_argument("--gpu-memory-utilization", type=_utilization, default=0.9)
+    args = parser.parse_args(argv)
+
+    dtype_bytes = DTYPE_BYTES[args.dtype]
+    try:
+        name, config = load_model_config(args.model)
+        r = capacity_report(config, args.memory, args.context, args.block_size, dtype_bytes,
+                            args.gpu_memory_utilization)
+    except ValueError as err:
+        parser.error(str(err))  # exits with status 2 and the message
+
+    bs = args.block_size
+    rows = [
+        ("model", f"{name}: {r['num_layers']} layers, {r['num_heads']} heads, "
+                  f"{r['num_kv_heads']} KV heads x {r['head_dim']}, {args.dtype}"),
+        ("parameters", f"{r['parameters']:,}"),
+        ("weights", f"{format_bytes(r['weights_bytes'])} ({r['weights_bytes']:,} bytes)"),
+        ("KV per token", f"{format_bytes(r['kv_bytes_per_token'])} "
+                         f"= 2 x {r['num_layers']} x {r['num_kv_heads']} x {r['head_dim']} "
+                         f"x {dtype_bytes} bytes"),
+        ("KV per block", f"{format_bytes(r['kv_bytes_per_block'])} = {bs} tokens x "
+                         f"{r['kv_bytes_per_token']:,} bytes"),
+        ("usable memory", f"{format_bytes(r['budget_bytes'])} "
+                          f"= {format_bytes(args.memory)} x {args.gpu_memory_utilization}"),
+        ("KV pool", f"{r['num_blocks']:,} blocks = {r['pool_tokens']:,} tokens "
+                    f"({format_bytes(r['num_blocks'] * r['kv_bytes_per_block'])})"),
+        (f"per sequence @ {args.context}",
+         f"{r['blocks_per_sequence']} blocks, last holds {r['last_block_fill']}/{bs}, "
+         f"{r['wasted_slots_per_sequence']} slots wasted "
+         f"({format_bytes(r['kv_bytes_per_sequence'])})"),
+        (f"max concurrency @ {args.context}", f"{r['max_concurrent_sequences']:,} sequences"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The block allocator: a fixed pool of physical KV-cache blocks with reference counts.
+
+PagedAttention splits the KV cache into `num_blocks` physical blocks of `block_size` token
+slots each (see docs/architecture.md, "KV cache layout"). The allocator knows nothing about
+tokens or sequences; it only hands out block ids and counts who holds them.
+
+State
+    ref_count[b]   how many block tables hold physical block b (0 = nobody).
+    free queue     every block with ref_count 0, in the order they should be reused:
+                   the head is taken first by `allocate`.
+
+Invariants (checked by `check_invariants`)
+    * block b is in the free queue  <=>  ref_count[b] == 0
+    * len(free queue) + #{b : ref_count[b] > 0} == num_blocks
+
+A block with ref count 0 is not necessarily empty: with prefix caching its KV may still be
+useful ("evictable": cached but unreferenced). Such a block stays in the free queue, so it
+counts as free, and a prefix-cache hit can revive it by `incref`, which has to pull it out
+of the *middle* of the queue. So the free queue must support three O(1) operations:
+
+    allocate      pop the head
+    free          push to the tail (or to the head, see `free(..., to_front=True)`)
+    incref        remove an arbitrary block from the middle
+
+A Python list or `collections.deque` cannot remove from the middle in O(1) (`deque.remove`
+scans). We use an `OrderedDict` keyed by block id: CPython implements it as a hash table plus
+a doubly linked list, so `popitem(last=False)`, insertion, `move_to_end` and `del` are all
+O(1). Order in the dict = order in the queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from numbers import Integral
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has no free block left to serve a request; nothing was changed."""
+
+
+class BlockAllocator:
+    """Fixed pool of physical block ids 0 .. num_blocks-1 with reference counts.
+
+    Complexity: `allocate`, `free`, `incref`, `ref_count`, `is_free` and
+    `num_free_blocks` are all O(1).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks!r}: must be an integer >= 1")
+        self.num_blocks = num_blocks
+        self._ref_counts = [0] * num_blocks
+        # Every block starts free. The value is unused; only the key order matters.
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (including cached-but-unreferenced, 'evictable' ones)."""
+        return len(self._free_queue)
+
+    def ref_count(self, block_id: int) -> int:
+        self._check_id(block_id)
+        return self._ref_counts[block_id]
+
+    def is_free(self, block_id: int) -> bool:
+        self._check_id(block_id)
+        return block_id in self._free_queue
+
+    def free_block_ids(self) -> Iterator[int]:
+        """The free queue from head (reused first) to tail (reused last)."""
+        return iter(self._free_queue)
+
+    def peek_next_free(self) -> int | None:
+        """The block `allocate` would return next, or None when the pool is empty."""
+        return next(iter(self._free_queue), None)
+
+    # ---- mutations -----------------------------------------------------------------------
+
+    def allocate(self) -> int:
+        """Take the block at the head of the free queue; its ref count becomes 1.
+
+        The caller must drop the block from the prefix cache if it was cached (its old KV
+        is about to be overwritten): that is how least-recently-used eviction happens.
+        """
+        if not self._free_queue:
+            raise NoFreeBlocksError(f"all {self.num_blocks} KV-cache blocks are in use")
+        block_id, _ = self._free_queue.popitem(last=False)
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: int) -> None:
+        """One more block table holds `block_id` (sharing: fork or a prefix-cache hit).
+
+        If the block was free (a cached, evictable block being revived) it leaves the free
+        queue here, in O(1), wherever it sits in the queue.
+        """
+        self._check_id(block_id)
+        if self._ref_counts[block_id] == 0:
+            del self._free_queue[block_id]
+        self._ref_counts[block_id] += 1
+
+    def free(self, block_id: int, to_front: bool = False) -> bool:
+        """One block table lets go of `block_id`. Returns True if it became free.
+
+        When the ref count reaches 0 the block joins the free queue: at the tail by default
+        (reused last, so a cached block stays findable as long as possible), or at the head
+        with `to_front=True` (for blocks whose content is worthless, so they are reused
+        before any cached block is evicted).
+        """
+        self._check_id(block_id)
+        if self._ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} is already free (ref count 0): double free")
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] > 0:
+            return False
+        self._free_queue[block_id] = None  # appended at the tail
+        if to_front:
+            self._free_queue.move_to_end(block_id, last=False)
+        return True
+
+    # ---- checks --------------------------------------------------------------------------
+
+    def _check_id(self, block_id: int) -> None:
+        if not isinstance(block_id, Integral) or not 0 <= block_id < self.num_blocks:
+            raise ValueError(
+                f"block {block_id!r} does not exist (valid ids: 0..{self.num_blocks - 1})")
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the free queue and the ref counts disagree."""
+        for block_id, count in enumerate(self._ref_counts):
+            if count < 0:
+                raise AssertionError(f"block {block_id} has negative ref count {count}")
+            if (count == 0) != (block_id in self._free_queue):
+                raise AssertionError(
+                    f"block {block_id}: ref count {count} but "
+                    f"{'in' if block_id in self._free_queue else 'not in'} the free queue")
+        referenced = sum(1 for count in self._ref_counts if count > 0)
+        if len(self._free_queue) + referenced != self.num_blocks:
+            raise AssertionError(
+                f"free {len(self._free_queue)} + referenced {referenced} != {self.num_blocks}")
+
+    def __repr__(self) -> str:
+        return (f"BlockAllocator(num_blocks={self.num_blocks}, "
+                f"free={list(self._free_queue)}, ref_counts={self._ref_counts})")
+
+
+if __name__ == "__main__":
+    allocator = BlockAllocator(4)
+    print("start:           ", allocator)
+    a, b = allocator.allocate(), allocator.allocate()
+    print(f"allocate -> {a}, {b}: ", allocator)
+    allocator.incref(a)
+    print(f"incref({a}) (shared):", allocator)
+    allocator.free(a)
+    allocator.free(b)
+    print(f"free({a}), free({b}):", allocator, f"<- {b} back at the tail, {a} still held")
+    allocator.free(a, to_front=True)
+    print(f"free({a}, to_front):", allocator)

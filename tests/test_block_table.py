@@ -1,0 +1,60 @@
+"""BlockTable: the append rule and slot arithmetic."""
+
+import pytest
+
+from refserve.kv_cache import BlockTable
+
+
+def test_1000_tokens_at_block_size_16():
+    table = BlockTable(16)
+    assert table.blocks_needed(1000) == 63
+    assert 1000 - 62 * 16 == 8  # the last block holds 8 of 16
+
+
+def test_append_rule_16th_token_no_new_block_17th_takes_one():
+    table = BlockTable(16, [5])  # one block, holding up to 16 tokens
+    assert table.num_new_blocks(15) == 0
+    assert table.num_new_blocks(16) == 0  # the 16th token fills the block exactly
+    assert table.num_new_blocks(17) == 1  # the 17th needs exactly one more
+    assert table.num_new_blocks(32) == 1
+    assert table.num_new_blocks(33) == 2
+    assert BlockTable(16).num_new_blocks(1) == 1
+    assert BlockTable(16).num_new_blocks(0) == 0
+
+
+def test_slot_formula():
+    table = BlockTable(4, [7, 2, 9])
+    for position in range(12):
+        expected = table[position // 4] * 4 + position % 4
+        assert table.slot(position) == expected
+    assert table.slot(5) == 9
+    assert table.slots(3, 9) == [31, 8, 9, 10, 11, 36]
+    assert table.slots(4, 4) == []
+    assert table.slots(0, 12) == [table.slot(p) for p in range(12)]
+
+
+def test_slot_out_of_range():
+    table = BlockTable(4, [7])
+    with pytest.raises(IndexError):
+        table.slot(4)
+    with pytest.raises(IndexError):
+        table.slots(2, 5)
+    with pytest.raises(ValueError):
+        table.slots(3, 2)
+
+
+def test_logical_blocks_of_range_and_replace():
+    table = BlockTable(4, [7, 2, 9])
+    assert list(table.logical_blocks_of_range(3, 5)) == [0, 1]
+    assert list(table.logical_blocks_of_range(4, 8)) == [1]
+    assert list(table.logical_blocks_of_range(8, 8)) == []
+    assert table.replace(1, 11) == 2
+    assert table.block_ids == [7, 11, 9]
+    copy = table.copy()
+    copy.append(3)
+    assert len(table) == 3 and len(copy) == 4
+
+
+def test_bad_block_size():
+    with pytest.raises(ValueError):
+        BlockTable(0)
