@@ -69,3 +69,55 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, child_index: int = 0) -> np.random.Generator:
+    """The random stream of one sequence: child i of a seeded request uses seed + i, so
+    `SamplingParams(n=4, seed=s)` child i draws exactly what `SamplingParams(seed=s + i)` does."""
+    return np.random.default_rng(None if seed is None else seed + child_index)
+
+
+def sample_from_logits(logits: np.ndarray, params: SamplingParams,
+                       generator: np.random.Generator) -> int:
+    """Draw one token id from one row of logits (see the module docstring for the rule)."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    probs = probabilities(logits, params)
+    # One uniform per token, inverse-CDF: the smallest token whose cumulative mass exceeds u.
+    u = generator.random()
+    cdf = np.cumsum(probs, dtype=np.float64)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution sampling draws from: softmax(logits / T) restricted to top-k and then
+    to the top-p nucleus, renormalised. Tokens outside get probability 0."""
+    x = np.asarray(logits, dtype=np.float64) / max(params.temperature, 1e-8)
+    if params.top_k != -1 and params.top_k < x.shape[-1]:
+        kth = np.partition(x, -params.top_k)[-params.top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        sorted_probs = probs[order]
+        # Keep a token if the mass strictly before it is < top_p: the smallest such set.
+        keep_sorted = (np.cumsum(sorted_probs) - sorted_probs) < params.top_p
+        keep = np.zeros_like(probs, dtype=bool)
+        keep[order[keep_sorted]] = True
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+class Sampler:
+    """Samples one token per row of logits, each row with its own sequence's params and
+    generator. Greedy rows are one vectorised argmax."""
+
+    def sample(self, logits: np.ndarray, params: list[SamplingParams],
+               generators: list[np.random.Generator]) -> list[int]:
+        tokens = np.argmax(logits, axis=-1).tolist() if len(logits) else []
+        for i, (p, g) in enumerate(zip(params, generators)):
+            if not p.greedy:
+                tokens[i] = sample_from_logits(logits[i], p, g)
+        return tokens

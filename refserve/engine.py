@@ -1,0 +1,440 @@
+"""The serving engine: `LLMEngine` (add_request / step / abort) and the offline `LLM` API.
+
+One `step()` is one iteration of continuous batching:
+
+    output  = scheduler.schedule()                # admit / advance, under the budgets
+    logits  = runner.execute(batch of output)     # copy-on-write copies, one forward
+    tokens  = sampler.sample(logits)              # one token per sequence that finished
+                                                  # its prompt chunk or decoded
+    retired = scheduler.update(output, tokens)    # append, hash full blocks, retire, free
+
+The public API mirrors vLLM's offline API, so code written against refserve moves to vLLM by
+changing one import:
+
+    from refserve import LLM, SamplingParams
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    outs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from refserve import capacity
+from refserve.backends import get_backend
+from refserve.config import EngineConfig
+from refserve.kv_cache import KVCacheManager
+from refserve.metrics import RequestMetrics, RunSummary, summarize
+from refserve.model_runner import ModelRunner
+from refserve.sampling import Sampler, SamplingParams, make_generator
+from refserve.scheduler import ScheduledSequence, Scheduler, StaticScheduler
+from refserve.sequence import Sequence, SequenceStatus
+
+
+class EngineStepError(RuntimeError):
+    """A step failed. `request_ids` names the requests in that step's batch. The block pool
+    is left consistent: the requests keep their blocks and are scheduled again by the next
+    step, or can be aborted."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    generators: dict[int, np.random.Generator] = field(default_factory=dict)
+    stop_text_len: dict[int, int] = field(default_factory=dict)  # seq_id → text cut at stop
+
+    @property
+    def finished(self) -> bool:
+        return (len(self.seqs) == self.params.n or self.seqs[0].is_finished) and all(
+            s.is_finished for s in self.seqs)
+
+
+def resolve_model_path(model: str | None, progress: bool = True) -> Path:
+    if model is None:
+        from refserve.models.default_model import ensure_default_model
+        return ensure_default_model(progress=progress)
+    return Path(model).expanduser()
+
+
+def load_tokenizer(path: Path):
+    """The HF fast tokenizer of a model folder, or None when the folder has none (then only
+    token-id prompts are accepted). transformers works without torch for this."""
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True,
+                 **kwargs) -> None:
+        from refserve.models.llama import load_model
+
+        self.config = config = config or EngineConfig(**kwargs)
+        self.progress = progress
+        self.model_path = resolve_model_path(config.model, progress)
+        self.backend = get_backend(config.backend)
+        self.model = load_model(self.model_path, self.backend)
+        self.tokenizer = load_tokenizer(self.model_path)
+        mc = self.model.config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        self.eos_token_id = mc.eos_token_id
+
+        # --- KV pool sizing: the blocks, not the weights, decide how many sequences fit.
+        contiguous = config.kv_cache_layout == "contiguous"
+        self.block_size = self.max_model_len if contiguous else config.block_size
+        bytes_per_token = capacity.kv_bytes_per_token(
+            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, 4)
+        bytes_per_block = capacity.kv_bytes_per_block(bytes_per_token, self.block_size)
+        if config.num_gpu_blocks is not None:
+            num_blocks = config.num_gpu_blocks
+        else:
+            num_blocks = config.kv_cache_memory // bytes_per_block
+            # More blocks than max_num_seqs full-length sequences can use is wasted memory.
+            num_blocks = min(num_blocks, config.max_num_seqs * capacity.blocks_for_tokens(
+                self.max_model_len, self.block_size))
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes is smaller than one KV block "
+                f"({bytes_per_block} bytes = {self.block_size} tokens × {bytes_per_token} "
+                "bytes); raise kv_cache_memory or lower block_size / max_model_len")
+        self.num_blocks = num_blocks
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size,
+            enable_prefix_caching=config.enable_prefix_caching and not contiguous)
+        scheduler_cls = StaticScheduler if config.batching == "static" else Scheduler
+        self.scheduler = scheduler_cls(config.max_num_seqs, config.max_num_batched_tokens,
+                                       self.kv_cache_manager, self.max_model_len,
+                                       eos_token_id=self.eos_token_id)
+        self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size)
+        self.sampler = Sampler()
+        self.requests: dict[str, _Request] = {}
+        self._request_counter = itertools.count()
+        self.kv_blocks_peak = 0
+        self.time_in_forward = 0.0
+        self.time_in_step = 0.0
+        if progress:
+            tokens = num_blocks * self.block_size
+            print(f"refserve: {config.backend}→{self.backend.name} backend, model "
+                  f"{self.model_path.name} ({mc.num_parameters() / 1e6:.0f}M params) | KV cache "
+                  f"{num_blocks} blocks × {self.block_size} tokens = {tokens} tokens, "
+                  f"{num_blocks * bytes_per_block / 1024**3:.2f} GiB | max concurrency at "
+                  f"max_model_len {self.max_model_len}: {tokens / self.max_model_len:.2f}x",
+                  file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer; pass prompt token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def apply_chat_template(self, user_message: str) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.model_path} has no chat template")
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_message}], tokenize=False,
+            add_generation_prompt=True)
+
+    def validate_request(self, prompt: str | list[int] | None,
+                         sampling_params: SamplingParams) -> list[int]:
+        """Check one request before anything is allocated; returns its prompt token ids.
+        Raises ValueError naming the problem."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got "
+                             f"{type(sampling_params).__name__}")
+        sampling_params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one token")
+            token_ids = self.encode(prompt)
+        elif prompt is None:
+            raise ValueError("prompt is None; give a string or a list of token ids")
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty; give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {len(bad)} unknown token id(s), "
+                             f"e.g. {bad[0]!r}; valid ids are 0..{vocab - 1}")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
+                             f"{self.max_model_len}")
+        need = capacity.blocks_for_tokens(len(token_ids) + 1, self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"prompt has {len(token_ids)} tokens and needs {need} KV blocks, "
+                             f"more than the whole KV pool ({self.num_blocks} blocks of "
+                             f"{self.block_size}); raise kv_cache_memory / num_gpu_blocks")
+        return [int(t) for t in token_ids]
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        sampling_params = sampling_params or SamplingParams()
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self.validate_request(prompt, sampling_params)
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        req = _Request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                       sampling_params, RequestMetrics(arrival_time=now,
+                                                       num_prompt_tokens=len(token_ids)))
+        seq = Sequence(request_id, token_ids, sampling_params, now)
+        req.seqs.append(seq)
+        req.generators[seq.seq_id] = make_generator(sampling_params.seed, 0)
+        self.requests[request_id] = req
+        self.scheduler.add_sequence(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a waiting, running or preempted request; its blocks are freed at once."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq.seq_id)
+            seq.status = SequenceStatus.FINISHED_ABORTED if not seq.is_finished else seq.status
+        del self.requests[request_id]
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> list[RequestOutput]:
+        t_step = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        entries = self.runner.entries_for(out, self.kv_cache_manager)
+        t_fwd = time.perf_counter()
+        try:
+            logits = self.runner.execute(entries, out.block_copies)
+        except Exception as e:
+            ids = sorted({s.seq.request_id for s in out.scheduled})
+            raise EngineStepError(
+                f"step {out.step} failed in the model forward for request(s) {ids}: {e!r}. "
+                "The KV pool is consistent; call step() again or abort these requests.",
+                ids) from e
+        self.time_in_forward += time.perf_counter() - t_fwd
+        sampled = self._sample(out, logits)
+        retired = self.scheduler.update(out, sampled)
+        now = time.perf_counter()
+        touched = self._postprocess(out, sampled, now)
+        self.kv_blocks_peak = max(self.kv_blocks_peak, self.kv_cache_manager.num_blocks
+                                  - self.kv_cache_manager.num_free_blocks)
+        del retired  # their blocks are already free; outputs are built per request below
+        outputs = [self._output(req) for req in touched]
+        for req in touched:
+            if req.finished:
+                del self.requests[req.request_id]
+        self.time_in_step += time.perf_counter() - t_step
+        return outputs
+
+    def _sample(self, out, logits) -> dict[int, list[int]]:
+        rows = [s for s in out.scheduled if s.samples and not s.is_padding]
+        reqs = [self.requests[s.seq.request_id] for s in rows]
+        tokens = self.sampler.sample(logits, [s.seq.sampling_params for s in rows],
+                                     [r.generators[s.seq.seq_id] for s, r in zip(rows, reqs)])
+        sampled = {}
+        for row, (s, req, token) in enumerate(zip(rows, reqs, tokens)):
+            sampled[s.seq.seq_id] = [token]
+            if not s.seq.forked:
+                # Parallel sampling: the prompt was computed once; now fork n-1 children that
+                # share every block (copy-on-write) and draw their own first token.
+                for i in range(1, req.params.n):
+                    child = s.seq.fork()
+                    child.child_index = i
+                    req.seqs.append(child)
+                    gen = req.generators[child.seq_id] = make_generator(req.params.seed, i)
+                    self.scheduler.fork(s.seq, child)
+                    out.scheduled.append(ScheduledSequence(
+                        seq=child, num_tokens=s.num_tokens, start=s.start, samples=True))
+                    sampled[child.seq_id] = self.sampler.sample(
+                        logits[row:row + 1], [req.params], [gen])
+                s.seq.forked = True
+        return sampled
+
+    def _postprocess(self, out, sampled, now) -> list[_Request]:
+        touched: dict[str, _Request] = {}
+        for s in out.scheduled:
+            seq = s.seq
+            req = self.requests.get(seq.request_id)
+            if req is None or seq.seq_id not in sampled:
+                continue
+            touched[req.request_id] = req
+            if seq.num_output_tokens == 1 and seq.first_token_time is None:
+                seq.first_token_time = now
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+            if req.params.stop and not seq.is_finished:
+                text = self._decode(seq.output_token_ids)
+                hits = [text.find(st) for st in req.params.stop if st in text]
+                if hits:
+                    req.stop_text_len[seq.seq_id] = min(hits)
+                    self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+            if seq.is_finished and seq.finish_time is None:
+                seq.finish_time = now
+        for req in touched.values():
+            if req.finished:
+                m = req.metrics
+                m.finish_time = max(s.finish_time or now for s in req.seqs)
+                m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
+                m.num_cached_tokens = req.seqs[0].num_cached_tokens
+                m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
+        return list(touched.values())
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(sorted(req.seqs, key=lambda s: s.child_index)):
+            text = self._decode(seq.output_token_ids)
+            if seq.seq_id in req.stop_text_len:
+                text = text[:req.stop_text_len[seq.seq_id]]
+            completions.append(CompletionOutput(i, text, list(seq.output_token_ids),
+                                                seq.status.finish_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+                             req.finished, req.metrics)
+
+    def stats(self) -> dict:
+        kv = self.kv_cache_manager
+        return {
+            "num_steps": self.scheduler.num_steps,
+            "slot_steps_used": self.scheduler.slot_steps_used,
+            "slot_steps_wasted": self.scheduler.slot_steps_wasted,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_peak": self.kv_blocks_peak,
+            "kv_blocks_total": kv.num_blocks,
+            "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
+            "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
+            "time_in_forward": self.time_in_forward,
+            "time_in_step": self.time_in_step,
+        }
+
+
+class LLM:
+    """Offline batch generation, vLLM-shaped: `LLM(...).generate(prompts, params)`."""
+
+    def __init__(self, model: str | None = None, backend: str = "auto", block_size: int = 16,
+                 num_gpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_prefix_caching: bool = True, speculative_config: dict | None = None,
+                 progress: bool = True, **kwargs) -> None:
+        config = EngineConfig(model=model, backend=backend, block_size=block_size,
+                              num_gpu_blocks=num_gpu_blocks,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              enable_prefix_caching=enable_prefix_caching,
+                              speculative_config=speculative_config, **kwargs)
+        self.engine = LLMEngine(config, progress=progress)
+        self.last_summary: RunSummary | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config, progress=progress)
+        llm.last_summary = None
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                 on_step=None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        prompts: a string, a list of strings, a list of token-id lists, or dicts
+        {"prompt_token_ids": [...]}. sampling_params: one for all or a list, one per prompt.
+        Every prompt is validated before any is queued: a bad one raises ValueError naming
+        its index and nothing is left behind.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.engine
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                engine.validate_request(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        stats_before = engine.stats()
+        start = time.perf_counter()
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        results: dict[str, RequestOutput] = {}
+        from tqdm import tqdm
+        bar = tqdm(total=len(ids), desc="generate", unit="req",
+                   disable=not use_tqdm or len(ids) < 2)
+        try:
+            while len(results) < len(ids):
+                for o in engine.step():
+                    if on_step is not None:
+                        on_step(o)
+                    if o.finished:
+                        results[o.request_id] = o
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        elapsed = time.perf_counter() - start
+        outputs = [results[r] for r in ids]
+        stats = engine.stats()
+        delta = {k: stats[k] - stats_before.get(k, 0) for k in stats}
+        delta["kv_blocks_peak"] = stats["kv_blocks_peak"]
+        delta["kv_blocks_total"] = stats["kv_blocks_total"]
+        self.last_summary = summarize([o.metrics for o in outputs], elapsed, delta)
+        return outputs

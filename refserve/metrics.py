@@ -1,0 +1,112 @@
+"""What a serving engine is judged by, per request and per run.
+
+    TTFT  time to first token   = first_token_time - arrival_time   (prefill, compute-bound)
+    TPOT  time per output token = (finish_time - first_token_time) / (output tokens - 1)
+                                                                      (decode, bandwidth-bound)
+    throughput                  = output tokens / wall time
+    prefix-cache hit rate       = hit tokens / queried prompt tokens
+    slot-steps                  = batch seats × steps; "used" advanced a live sequence,
+                                  "wasted" computed a finished one as padding (static batching)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0      # prefix-cache hit tokens
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finish_time is None or self.first_token_time is None:
+            return None
+        if self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ttft": self.ttft, "tpot": self.tpot}
+
+
+def percentile(values, q: float) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.percentile(values, q)) if values else None
+
+
+@dataclass
+class RunSummary:
+    num_requests: int
+    num_output_tokens: int
+    num_prompt_tokens: int
+    elapsed: float
+    ttft_p50: float | None
+    ttft_p99: float | None
+    tpot_p50: float | None
+    tpot_p99: float | None
+    kv_blocks_peak: int
+    kv_blocks_total: int
+    prefix_hit_rate: float | None
+    num_preemptions: int
+    num_steps: int
+    slot_steps_used: int
+    slot_steps_wasted: int
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s}
+
+    def format(self) -> str:
+        def ms(x):
+            return "-" if x is None else f"{x * 1000:.0f} ms"
+
+        hit = "-" if self.prefix_hit_rate is None else f"{self.prefix_hit_rate:.1%}"
+        return (
+            f"{self.num_requests} requests, {self.num_output_tokens} output tokens in "
+            f"{self.elapsed:.2f} s = {self.output_tokens_per_s:.1f} tok/s | "
+            f"TTFT p50 {ms(self.ttft_p50)} p99 {ms(self.ttft_p99)} | "
+            f"TPOT p50 {ms(self.tpot_p50)} p99 {ms(self.tpot_p99)} | "
+            f"KV blocks peak {self.kv_blocks_peak}/{self.kv_blocks_total} | "
+            f"prefix hit rate {hit} | preemptions {self.num_preemptions} | "
+            f"steps {self.num_steps}, slot-steps used {self.slot_steps_used} "
+            f"wasted {self.slot_steps_wasted}")
+
+
+def summarize(metrics: list[RequestMetrics], elapsed: float, engine_stats: dict) -> RunSummary:
+    ttfts = [m.ttft for m in metrics]
+    tpots = [m.tpot for m in metrics]
+    queried = engine_stats.get("prefix_cache_queried_tokens", 0)
+    return RunSummary(
+        num_requests=len(metrics),
+        num_output_tokens=sum(m.num_output_tokens for m in metrics),
+        num_prompt_tokens=sum(m.num_prompt_tokens for m in metrics),
+        elapsed=elapsed,
+        ttft_p50=percentile(ttfts, 50), ttft_p99=percentile(ttfts, 99),
+        tpot_p50=percentile(tpots, 50), tpot_p99=percentile(tpots, 99),
+        kv_blocks_peak=engine_stats.get("kv_blocks_peak", 0),
+        kv_blocks_total=engine_stats.get("kv_blocks_total", 0),
+        prefix_hit_rate=(engine_stats.get("prefix_cache_hit_tokens", 0) / queried
+                         if queried else None),
+        num_preemptions=sum(m.num_preemptions for m in metrics),
+        num_steps=engine_stats.get("num_steps", 0),
+        slot_steps_used=engine_stats.get("slot_steps_used", 0),
+        slot_steps_wasted=engine_stats.get("slot_steps_wasted", 0),
+    )

@@ -1,0 +1,78 @@
+"""Helpers shared by the model tests: tiny random HF checkpoints and direct forward calls."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refserve.backends.numpy_backend import NumpyBackend
+from refserve.model_runner import BatchEntry, ModelRunner
+
+
+def save_tiny_hf_model(tmp_path, model_type="llama", tie=True, num_kv_heads=2, bias=None,
+                       seed=0):
+    """Create a tiny random transformers model, save it as safetensors, return (folder, hf)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=num_kv_heads,
+                  max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=tie)
+    if model_type == "llama":
+        cfg = transformers.LlamaConfig(**common, attention_bias=bool(bias))
+        model = transformers.LlamaForCausalLM(cfg)
+    elif model_type == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif model_type == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=None)
+        model = transformers.MistralForCausalLM(cfg)
+    else:
+        raise ValueError(model_type)
+    # Random init leaves norms at 1 and biases at 0; perturb them so they are really tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    folder = tmp_path / f"tiny-{model_type}"
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+def hf_logits(hf_model, token_ids) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float().numpy()
+
+
+def prefill_logits(model, token_ids, block_size=16, chunk=None, block_ids=None):
+    """All-position logits of one sequence computed through the paged cache, optionally in
+    prefill chunks of `chunk` tokens (each chunk attends to the cached earlier ones)."""
+    n = len(token_ids)
+    nblocks = -(-n // block_size)
+    block_ids = list(block_ids) if block_ids is not None else list(range(nblocks))
+    runner = ModelRunner(model, model.backend, num_blocks=max(block_ids) + 1,
+                         block_size=block_size)
+    chunk = chunk or n
+    rows = []
+    for start in range(0, n, chunk):
+        piece = token_ids[start:start + chunk]
+        entry = BatchEntry(piece, start, block_ids)
+        from refserve.model_runner import prepare_inputs
+        inp = prepare_inputs([entry], block_size)
+        rows.append(model.forward(inp.input_ids, inp.positions, inp.attn, runner.kv_caches,
+                                  None))
+    return np.concatenate(rows), runner
+
+
+def numpy_backend():
+    return NumpyBackend()
+
+
+def max_rel_err(a, b) -> float:
+    """max over positions of max|a-b| / max|b| (relative to the row's scale)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b).max(-1) / np.abs(b).max(-1)))
