@@ -1,0 +1,165 @@
+"""The `Backend` interface: the three data-plane ops of paged attention, plus array helpers.
+
+The model's dense math (matmuls, RMSNorm, RoPE, SwiGLU) is written once against `backend.xp`
+(numpy or cupy). Only the ops that touch the *paged* KV cache live behind this interface,
+because they are the ones a GPU backend replaces with kernels:
+
+    write_kv         scatter this step's K/V into their slots          (one scatter)
+    paged_attention  attention of each query over its paged context    (gather + softmax)
+    copy_blocks      copy whole blocks, for copy-on-write              (block copy)
+
+KV cache layout (docs/architecture.md, "KV cache layout"), one pair per layer:
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]   float32
+
+Physical block `b` holds the tokens in slots `b * block_size ... b * block_size + block_size - 1`,
+so `k_cache.reshape(-1, num_kv_heads, head_dim)[slot]` is one token's keys. The naive
+contiguous cache is the special case `block_size = max_model_len`, one block per sequence.
+
+Attention metadata (docs/architecture.md, "Attention metadata"), for `S` sequences and
+`T = sum(q_len)` query tokens, all plain integer arrays:
+
+    slot_mapping     [T]              int64   flat slot of each token's K/V; -1 = don't write
+    query_start_loc  [S+1]            int32   tokens of sequence i: query_start_loc[i]:[i+1]
+    context_lens     [S]              int32   keys visible to sequence i after this step's
+                                              writes (= position of its last query + 1)
+    block_tables     [S, max_blocks]  int32   physical block ids; entries past
+                                              ceil(context_lens[i] / block_size) are padding
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import numpy as np
+
+# An array of whichever library the backend computes with (numpy.ndarray or cupy.ndarray).
+Array = Any
+
+
+class Backend(abc.ABC):
+    """Where the KV cache lives and how the paged-attention ops run on it.
+
+    Subclasses set `name` (the string `get_backend` accepts) and `xp` (the array module).
+    Every op works in place on caches created by `allocate_kv_cache`.
+    """
+
+    name: str
+    xp: Any  # numpy or cupy: the model's dense math is written against xp
+
+    # ------------------------------------------------------------------ arrays
+
+    @abc.abstractmethod
+    def to_device(self, array: Any) -> Array:
+        """Return `array` (NumPy or array-like) as an `xp` array on this backend's device.
+
+        Identity for an ndarray in the NumPy backend; a host-to-device copy on a GPU.
+        """
+
+    @abc.abstractmethod
+    def to_numpy(self, array: Array) -> np.ndarray:
+        """Return `array` as a host `numpy.ndarray` (identity in the NumPy backend)."""
+
+    def allocate_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any = np.float32,
+    ) -> list[tuple[Array, Array]]:
+        """Allocate one `(k_cache, v_cache)` pair per layer, each zero-filled and C-contiguous.
+
+        Shape of each array: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+
+        Zero-filled rather than uninitialised on purpose: `paged_attention` gathers whole
+        blocks, so slots past a sequence's length are read (then masked to weight 0). Masking
+        turns any finite value into nothing, but `0 * NaN` is NaN, so the pool must never hold
+        NaN/inf garbage.
+        """
+        if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
+            raise ValueError(
+                "allocate_kv_cache needs positive sizes, got "
+                f"num_layers={num_layers} num_blocks={num_blocks} block_size={block_size} "
+                f"num_kv_heads={num_kv_heads} head_dim={head_dim}"
+            )
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return [
+            (self.xp.zeros(shape, dtype=dtype), self.xp.zeros(shape, dtype=dtype))
+            for _ in range(num_layers)
+        ]
+
+    # ------------------------------------------------------------ data plane
+
+    @abc.abstractmethod
+    def write_kv(
+        self,
+        k: Array,
+        v: Array,
+        k_cache: Array,
+        v_cache: Array,
+        slot_mapping: Array,
+    ) -> None:
+        """Scatter this step's keys and values into their cache slots, in place.
+
+        Shapes:
+            k, v:              [T, num_kv_heads, head_dim]
+            k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
+            slot_mapping:      [T] int, flat slot = block_id * block_size + offset
+
+        For every t with `slot_mapping[t] >= 0`:
+            k_cache.reshape(-1, num_kv_heads, head_dim)[slot_mapping[t]] = k[t]   (same for v)
+        Tokens with slot -1 are skipped (their K/V is already cached or not wanted), and every
+        other slot is left untouched.
+        """
+
+    @abc.abstractmethod
+    def paged_attention(
+        self,
+        q: Array,
+        k_cache: Array,
+        v_cache: Array,
+        block_tables: Array,
+        context_lens: Array,
+        query_start_loc: Array,
+        scale: float,
+    ) -> Array:
+        """Causal attention of a ragged batch of query chunks over paged contexts.
+
+        Shapes:
+            q:                 [T, num_heads, head_dim]
+            k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
+            block_tables:      [S, max_blocks] int
+            context_lens:      [S] int
+            query_start_loc:   [S+1] int, query_start_loc[-1] == T
+            returns out:       [T, num_heads, head_dim], same dtype as q
+
+        Sequence i has `q_len = query_start_loc[i+1] - query_start_loc[i]` query tokens and a
+        context of `L = context_lens[i]` keys (this step's keys already written). Query j of
+        the chunk (0 <= j < q_len) sits at position `p = L - q_len + j` and attends keys
+        0..p, read through the block table: key position `n` lives in physical block
+        `block_tables[i, n // block_size]` at offset `n % block_size`. Then
+
+            out[t, h] = softmax(q[t, h] · K[:p+1, kv]ᵀ · scale) · V[:p+1, kv]
+
+        with grouped-query attention: head h reads kv head `kv = h // (num_heads //
+        num_kv_heads)`. A prefill chunk, a decode step (q_len == 1) and a speculative verify
+        are all this one case.
+        """
+
+    @abc.abstractmethod
+    def copy_blocks(self, k_cache: Array, v_cache: Array, src_to_dst: Array) -> None:
+        """Copy whole blocks in place (the copy half of copy-on-write).
+
+        Shapes:
+            k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
+            src_to_dst:        [N, 2] int, row (src, dst)
+
+        For every row, every slot of block src is copied into block dst, in both caches.
+        All copies read the caches as they were before any of them wrote.
+        """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
