@@ -1,0 +1,55 @@
+"""Shared fixtures. The real SmolLM2 is fetched and converted once into $REFSERVE_HOME
+(default ~/.cache/refserve); CI warms that cache by running the main job first."""
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from refserve.models.default_model import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model.eval()
+    # The reference continuation ignores EOS: clearing it is the only way to make generate
+    # run on without min_new_tokens, which would also *suppress* EOS logits and so change
+    # the greedy choice.
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def hf_greedy(hf_model, prompt_ids, max_new_tokens):
+    """transformers' greedy generate, no EOS stop: the reference continuation."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_fn():
+    return hf_greedy
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
