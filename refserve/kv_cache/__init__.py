@@ -8,5 +8,8 @@
 
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
 from refserve.kv_cache.block_table import BlockTable
+from refserve.kv_cache.kv_cache_manager import KVCacheManager
+from refserve.kv_cache.prefix_cache import BlockKey, PrefixCache
 
-__all__ = ["BlockAllocator", "BlockTable", "NoFreeBlocksError"]
+__all__ = ["BlockAllocator", "BlockKey", "BlockTable", "KVCacheManager", "NoFreeBlocksError",
+           "PrefixCache"]

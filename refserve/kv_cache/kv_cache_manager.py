@@ -1,0 +1,370 @@
+"""The KV-cache manager: the one object the scheduler asks for KV-cache space.
+
+It owns the `BlockAllocator` (physical blocks and ref counts), one `BlockTable` per live
+sequence, and the `PrefixCache`. The backend never sees any of this: it only receives
+`slot_mapping`, `block_tables` and the copy-on-write pairs.
+
+Who advances what. The manager only *reads* `seq.num_computed_tokens` and `seq.token_ids`;
+it never writes to a Sequence. The scheduler, after `allocate_slots`, advances
+`seq.num_computed_tokens` by the prefix-cache hit tokens (on admission) and, once the step
+ran, by the tokens it computed; it also sets `seq.num_cached_tokens`.
+
+A typical life:
+
+    blocks, hit_tokens = manager.get_computed_blocks(seq)        # admission: cache lookup
+    copies = manager.allocate_slots(seq, n, blocks)               # may raise NoFreeBlocksError
+    seq.num_computed_tokens += hit_tokens                         # scheduler
+    ... backend.copy_blocks(copies); forward writes K/V at
+        manager.slot_mapping(seq.seq_id, start, start + n) ...
+    seq.num_computed_tokens += n                                  # scheduler, after the step
+    manager.cache_full_blocks(seq)                                # newly full blocks findable
+    ...
+    manager.free(seq)                                             # finished or preempted
+
+Copy-on-write. Blocks are shared (ref count > 1) after `fork` (parallel sampling: children
+share the prompt) and after prefix-cache hits. A shared block must never be written, or the
+other holders would see the new K/V. So before a sequence writes a position that lies in a
+shared block, `allocate_slots` gives it a private block, returns the pair (src, dst) for the
+backend to copy, and drops one reference from the old block. The last holder (ref count 1)
+writes in place. Hit blocks are never written (writes start after them), so in practice a
+copy happens for the partly filled last block of a forked sequence.
+
+Invariants (`check_invariants`):
+    * every block is either free (ref count 0) or referenced, never both;
+      free + referenced == num_blocks
+    * ref count of a block == number of block tables that hold it
+    * a table never holds the same block twice
+    * a block is cached under at most one key, and the cache maps are inverse
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from typing import TYPE_CHECKING
+
+from refserve.capacity import blocks_for_tokens
+from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
+from refserve.kv_cache.block_table import BlockTable
+from refserve.kv_cache.prefix_cache import BlockKey, PrefixCache
+
+if TYPE_CHECKING:
+    from refserve.sequence import Sequence
+
+__all__ = ["KVCacheManager", "NoFreeBlocksError"]
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = BlockAllocator(num_blocks)
+        self.prefix_cache = PrefixCache()
+        self._tables: dict[int, BlockTable] = {}
+        # Keys of each sequence's leading full blocks hashed so far (len = blocks hashed).
+        # The next key chains on the last one, so hashing a sequence is O(new blocks).
+        self._block_keys: dict[int, list[BlockKey]] = {}
+        # Prefix-cache hit rate, counted in tokens. A sequence is counted when it gets its
+        # first blocks (its admission): queried += its num_tokens, hit += tokens found in
+        # the cache. A sequence preempted (recompute) and readmitted is counted again: it
+        # really queries the cache again, and a hit then saves real recomputation.
+        # Nothing is counted when prefix caching is disabled.
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: truly free plus evictable (cached, ref count 0)."""
+        return self.allocator.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of the pool referenced by some sequence (evictable blocks count as
+        free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def get_block_ids(self, seq_id: int) -> list[int]:
+        """The sequence's block table (a copy): physical block id of each logical block."""
+        return list(self._table(seq_id).block_ids)
+
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Flat KV slots of positions [start, end): table[p // bs] * bs + p % bs."""
+        return self._table(seq_id).slots(start, end)
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        """Prefix-cache lookup for a sequence about to be admitted. Touches nothing.
+
+        Walks the leading full blocks of seq.token_ids and returns the cached ones up to the
+        first miss, as (block ids, tokens they cover = len(blocks) * block_size). The block
+        holding the last token is never included, even when it is full and cached: the last
+        token must be computed to get the logits that sample the next token. So at most
+        (num_tokens - 1) // block_size blocks hit; a prompt of exactly 3 full blocks gets at
+        most 2. Returns ([], 0) when prefix caching is disabled or seq already has blocks.
+        """
+        if not self.enable_prefix_caching or seq.seq_id in self._tables:
+            return [], 0
+        bs = self.block_size
+        max_hit_blocks = max(0, seq.num_tokens - 1) // bs
+        blocks: list[int] = []
+        parent: BlockKey | None = None
+        for i in range(max_hit_blocks):
+            key = BlockKey(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            block_id = self.prefix_cache.lookup(key)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+            # Chain on the stored key object: later equality checks stop at it at once.
+            parent = self.prefix_cache.key_of(block_id)
+        return blocks, len(blocks) * bs
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def _plan(self, seq: Sequence, num_new_tokens: int, computed_blocks: SequenceOf[int]
+              ) -> tuple[list[int], int, int, list[int], int]:
+        """What allocate_slots would do, without doing it.
+
+        Returns (blocks to attach, first position written, end position, logical blocks
+        needing copy-on-write, free blocks needed).
+        """
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens!r}: must be an integer >= 0")
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            attach = list(computed_blocks)
+            if attach:
+                self._check_computed_blocks(seq, attach)
+            held = attach
+        else:
+            attach = []  # computed blocks are attached on the first call only
+            held = table.block_ids
+        start = seq.num_computed_tokens + len(attach) * self.block_size
+        end = start + num_new_tokens
+        blocks_after = blocks_for_tokens(end, self.block_size)
+        num_new_blocks = max(0, blocks_after - len(held))
+
+        # Existing blocks that positions [start, end) write into and someone else also
+        # holds: each needs a private copy first. (New blocks are private already.)
+        written = range(start // self.block_size, blocks_after) if end > start else range(0)
+        cow = [logical for logical in written
+               if logical < len(held) and self.allocator.ref_count(held[logical]) > 1]
+        # Reviving an evictable hit block takes it out of the free pool: it is counted in
+        # num_free_blocks, so it must be paid for here, not counted twice.
+        revived = sum(1 for block_id in attach if self.allocator.ref_count(block_id) == 0)
+        return attach, start, end, cow, revived + num_new_blocks + len(cow)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int,
+                     computed_blocks: SequenceOf[int] = ()) -> bool:
+        """Whether allocate_slots(seq, num_new_tokens, computed_blocks) would succeed.
+
+        Needed free blocks = new blocks + copy-on-write copies + computed blocks that are
+        now evictable (ref count 0): those are counted in num_free_blocks, and attaching
+        them takes them out of the free pool.
+        """
+        *_, needed = self._plan(seq, num_new_tokens, computed_blocks)
+        return needed <= self.num_free_blocks
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: SequenceOf[int] = ()) -> list[tuple[int, int]]:
+        """Give seq slots for positions [0, num_computed' + num_new_tokens).
+
+        num_computed' = seq.num_computed_tokens + tokens covered by computed_blocks, which
+        are attached (ref count += 1) on the sequence's first call only and ignored later.
+        The positions written this step are [num_computed', num_computed' + num_new_tokens).
+
+        Returns copy-on-write pairs (src, dst): run backend.copy_blocks on them before the
+        forward. Atomic: if the pool is short, raises NoFreeBlocksError and changes nothing.
+        """
+        attach, start, end, cow, needed = self._plan(seq, num_new_tokens, computed_blocks)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"sequence {seq.seq_id} needs {needed} free blocks for positions "
+                f"[{start}, {end}), only {self.num_free_blocks} left")
+        # From here on nothing can fail: the plan fits in the free pool.
+
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            table = self._tables[seq.seq_id] = BlockTable(self.block_size)
+            self._block_keys[seq.seq_id] = []
+            for block_id in attach:
+                self.allocator.incref(block_id)  # revives it if it was evictable
+                table.append(block_id)
+                self._block_keys[seq.seq_id].append(self.prefix_cache.key_of(block_id))
+            if self.enable_prefix_caching:
+                self.prefix_cache_queried_tokens += seq.num_tokens
+                self.prefix_cache_hit_tokens += len(attach) * self.block_size
+
+        copies: list[tuple[int, int]] = []
+        for logical in cow:
+            new_block = self._take_free_block()
+            old_block = table.replace(logical, new_block)
+            self.allocator.free(old_block)  # ref count > 1, so it stays held by the others
+            copies.append((old_block, new_block))
+
+        # A block being written is no longer "full with computed KV" for this sequence. In
+        # normal operation writes start after the hashed blocks and this does nothing; it
+        # matters only if a caller rewinds num_computed_tokens (e.g. speculative decoding
+        # rejecting tokens), so the cache never advertises KV that is being overwritten.
+        keys = self._block_keys[seq.seq_id]
+        first_written = start // self.block_size
+        if end > start and first_written < len(keys):
+            for logical in range(first_written, min(len(keys), len(table))):
+                block_id = table[logical]
+                if self.allocator.ref_count(block_id) == 1:  # shared ones were copied above
+                    self.prefix_cache.evict(block_id)
+            del keys[first_written:]
+
+        for _ in range(table.num_new_blocks(end)):
+            table.append(self._take_free_block())
+        return copies
+
+    def _take_free_block(self) -> int:
+        """Allocate from the head of the free queue; if that block was an evictable cached
+        block, this is where it is evicted (least recently freed first)."""
+        block_id = self.allocator.allocate()
+        self.prefix_cache.evict(block_id)
+        return block_id
+
+    def _check_computed_blocks(self, seq: Sequence, blocks: list[int]) -> None:
+        """computed_blocks must still be what get_computed_blocks found: another sequence's
+        allocation in between may have evicted and reused one of them."""
+        if seq.num_computed_tokens != 0:
+            raise ValueError(
+                f"sequence {seq.seq_id}: computed_blocks given but num_computed_tokens is "
+                f"{seq.num_computed_tokens}, not 0")
+        bs = self.block_size
+        if len(blocks) * bs > max(0, seq.num_tokens - 1):
+            raise ValueError(f"sequence {seq.seq_id}: computed_blocks cover the last token")
+        parent = None
+        for i, block_id in enumerate(blocks):
+            key = self.prefix_cache.key_of(block_id)
+            if (key is None or key.parent != parent
+                    or key.tokens != tuple(seq.token_ids[i * bs:(i + 1) * bs])):
+                raise ValueError(
+                    f"sequence {seq.seq_id}: computed block {block_id} (logical {i}) is no "
+                    f"longer cached for these tokens; call get_computed_blocks again right "
+                    f"before allocate_slots")
+            parent = key
+
+    # ---- sharing and release -------------------------------------------------------------
+
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """The child shares every block of the parent (ref count += 1 each). The first of
+        them to write into a shared block gets a private copy (see allocate_slots)."""
+        if child_seq.seq_id in self._tables:
+            raise ValueError(f"sequence {child_seq.seq_id} already has blocks")
+        parent_table = self._table(parent_seq.seq_id)
+        for block_id in parent_table:
+            self.allocator.incref(block_id)
+        self._tables[child_seq.seq_id] = parent_table.copy()
+        self._block_keys[child_seq.seq_id] = list(self._block_keys[parent_seq.seq_id])
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks (finished, aborted or preempted). No-op if it holds
+        none.
+
+        Tail-first: the last logical block is released first, so among this sequence's
+        cached blocks the deepest one (least reusable) is nearest the head of the free queue
+        and evicted first. Uncached blocks hold nothing reusable and go to the head, so they
+        are reused before any cached block is evicted.
+        """
+        table = self._tables.pop(seq.seq_id, None)
+        self._block_keys.pop(seq.seq_id, None)
+        if table is None:
+            return
+        for block_id in reversed(table.block_ids):
+            self.allocator.free(block_id, to_front=not self.prefix_cache.is_cached(block_id))
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Make the sequence's newly full, computed blocks findable by the prefix cache.
+
+        Hashes logical blocks i with (i + 1) * block_size <= seq.num_computed_tokens not yet
+        hashed: a block is cacheable only once it is full *and* its K/V have been written.
+        Call it after the scheduler advanced num_computed_tokens. No-op when prefix caching
+        is disabled.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self._table(seq.seq_id)
+        keys = self._block_keys[seq.seq_id]
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(table))
+        for i in range(len(keys), num_full):
+            parent = keys[-1] if keys else None
+            key = BlockKey(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            block_id = table[i]
+            existing = self.prefix_cache.key_of(block_id)
+            if existing is not None:
+                # Already cached (a block shared with a sibling that hashed it first).
+                keys.append(existing)
+            else:
+                # If another block already holds this prefix, insert keeps that one.
+                keys.append(self.prefix_cache.insert(key, block_id))
+
+    # ---- checks --------------------------------------------------------------------------
+
+    def _table(self, seq_id: int) -> BlockTable:
+        table = self._tables.get(seq_id)
+        if table is None:
+            raise KeyError(f"sequence {seq_id} has no KV-cache blocks")
+        return table
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the allocator, the block tables and the prefix cache
+        disagree (see the module docstring)."""
+        self.allocator.check_invariants()
+        self.prefix_cache.check_invariants()
+        holders = [0] * self.num_blocks
+        for seq_id, table in self._tables.items():
+            if len(set(table.block_ids)) != len(table):
+                raise AssertionError(f"sequence {seq_id} holds a block twice: {table}")
+            for block_id in table:
+                holders[block_id] += 1
+            if len(self._block_keys[seq_id]) > len(table):
+                raise AssertionError(f"sequence {seq_id} has more hashed blocks than blocks")
+        for block_id, count in enumerate(holders):
+            if self.allocator.ref_count(block_id) != count:
+                raise AssertionError(
+                    f"block {block_id}: ref count {self.allocator.ref_count(block_id)} but "
+                    f"held by {count} block tables")
+        if not self.enable_prefix_caching and len(self.prefix_cache):
+            raise AssertionError("prefix caching is disabled but blocks are cached")
+
+    def __repr__(self) -> str:
+        tables = {seq_id: t.block_ids for seq_id, t in self._tables.items()}
+        return (f"KVCacheManager(blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"free={self.num_free_blocks}, cached={len(self.prefix_cache)}, "
+                f"tables={tables})")
+
+
+if __name__ == "__main__":
+    from refserve.sampling import SamplingParams
+    from refserve.sequence import Sequence
+
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    a = Sequence("a", list(range(10)), SamplingParams())
+    manager.allocate_slots(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    manager.cache_full_blocks(a)
+    print("a computed 10 tokens:   ", manager)
+    b = Sequence("b", list(range(8)) + [99, 98], SamplingParams())
+    blocks, hit = manager.get_computed_blocks(b)
+    print(f"b shares 8 tokens: hit blocks {blocks}, {hit} tokens")
+    manager.allocate_slots(b, b.num_tokens - hit, blocks)
+    print("b admitted:             ", manager)
+    c = a.fork()
+    manager.fork(a, c)
+    print("a forked into c:        ", manager)
+    c.append_token(42)  # c samples its own next token, at position 10 (shared block 2)
+    print("c writes position 10 -> copies", manager.allocate_slots(c, 1))
+    print("                        ", manager)
+    for seq in (a, b, c):
+        manager.free(seq)
+    print("all freed:              ", manager)
+    print("free queue (head first):", list(manager.allocator.free_block_ids()))

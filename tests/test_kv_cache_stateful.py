@@ -1,0 +1,229 @@
+"""A Hypothesis state machine drives the KVCacheManager like a scheduler would.
+
+Steps: admit new sequences (sharing prefixes, so prefix-cache hits happen), compute chunks
+of tokens ("write": apply the copy-on-write pairs, then write each token into a shadow KV
+array at the slots from slot_mapping), sample tokens, fork, preempt and readmit, free, and
+look up prefixes. Small pools make allocations fail and cached blocks get evicted.
+
+The shadow KV stores, for every slot, the token id whose K/V would be there. So "the cache
+is correct" becomes checkable: every computed position of every live sequence reads back its
+own token, and every cached block holds exactly the tokens its key says.
+"""
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from refserve.kv_cache import KVCacheManager, NoFreeBlocksError
+from refserve.sampling import SamplingParams
+from refserve.sequence import Sequence
+
+# Three prompts that share leading tokens, so block-aligned prefixes repeat.
+PREFIXES = [
+    list(range(1, 13)),
+    list(range(1, 7)) + list(range(20, 26)),
+    list(range(30, 42)),
+]
+
+seq_index = st.integers(0, 1000)
+chunk_size = st.integers(1, 12)
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.manager = None
+        self.running: list[Sequence] = []  # hold blocks
+        self.waiting: list[Sequence] = []  # preempted, blocks freed, to be readmitted
+        self.shadow: dict[int, list] = {}
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(3, 20),
+                enable_prefix_caching=st.booleans())
+    def setup(self, block_size, num_blocks, enable_prefix_caching):
+        self.bs = block_size
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        # shadow[block][offset] = the token whose K/V sits in that slot (None = never written)
+        self.shadow = {b: [None] * block_size for b in range(num_blocks)}
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def check_hit_blocks(self, seq, blocks, hit_tokens):
+        assert hit_tokens == len(blocks) * self.bs
+        assert hit_tokens <= seq.num_tokens - 1  # never the last token
+        for i, block in enumerate(blocks):
+            assert self.shadow[block] == seq.token_ids[i * self.bs:(i + 1) * self.bs]
+
+    def write(self, seq, copies, num_tokens):
+        """What the backend does in one step: copy-on-write copies, then scatter K/V."""
+        m = self.manager
+        for src, dst in copies:
+            assert m.allocator.ref_count(dst) == 1
+            self.shadow[dst] = list(self.shadow[src])
+        start = seq.num_computed_tokens
+        slots = m.slot_mapping(seq.seq_id, start, start + num_tokens)
+        assert len(slots) == num_tokens
+        for position, slot in zip(range(start, start + num_tokens), slots, strict=True):
+            block, offset = divmod(slot, self.bs)
+            assert block in m.get_block_ids(seq.seq_id)
+            assert m.allocator.ref_count(block) == 1, f"write into shared block {block}"
+            self.shadow[block][offset] = seq.token_ids[position]
+        seq.num_computed_tokens += num_tokens  # the scheduler's job, after the step
+        m.cache_full_blocks(seq)
+
+    def admit(self, seq, chunk):
+        """Admission as the scheduler does it. Returns True if seq got its blocks."""
+        m = self.manager
+        blocks, hit_tokens = m.get_computed_blocks(seq)
+        self.check_hit_blocks(seq, blocks, hit_tokens)
+        n = min(chunk, seq.num_tokens - hit_tokens)
+        free_before = m.num_free_blocks
+        ok = m.can_allocate(seq, n, blocks)
+        try:
+            copies = m.allocate_slots(seq, n, blocks)
+        except NoFreeBlocksError:
+            assert not ok
+            assert not m.has_sequence(seq.seq_id) and m.num_free_blocks == free_before
+            return False
+        assert ok
+        assert copies == []  # a new sequence shares only hit blocks, which it never writes
+        seq.num_computed_tokens += hit_tokens
+        self.running.append(seq)
+        self.write(seq, copies, n)
+        return True
+
+    def pick(self, index):
+        return self.running[index % len(self.running)]
+
+    # ---- rules ---------------------------------------------------------------------------
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), prefix_len=st.integers(0, 12),
+          tail=st.lists(st.integers(50, 52), max_size=5), chunk=chunk_size)
+    def add_sequence(self, prefix, prefix_len, tail, chunk):
+        tokens = PREFIXES[prefix][:prefix_len] + tail or [50]
+        self.admit(Sequence("r", tokens, SamplingParams()), chunk)
+
+    @precondition(lambda self: self.running)
+    @rule(index=seq_index, chunk=chunk_size)
+    def compute(self, index, chunk):
+        seq = self.pick(index)
+        n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+        if n == 0:
+            return
+        m = self.manager
+        blocks_before, free_before = m.get_block_ids(seq.seq_id), m.num_free_blocks
+        ok = m.can_allocate(seq, n)
+        try:
+            copies = m.allocate_slots(seq, n)
+        except NoFreeBlocksError:
+            assert not ok  # atomic: nothing changed
+            assert m.get_block_ids(seq.seq_id) == blocks_before
+            assert m.num_free_blocks == free_before
+            return
+        assert ok
+        self.write(seq, copies, n)
+
+    @precondition(lambda self: self.running)
+    @rule(index=seq_index, token=st.integers(50, 53))
+    def sample(self, index, token):
+        seq = self.pick(index)
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.append_token(token)
+
+    @precondition(lambda self: self.running)
+    @rule(index=seq_index)
+    def fork(self, index):
+        parent = self.pick(index)
+        child = parent.fork()
+        self.manager.fork(parent, child)
+        assert self.manager.get_block_ids(child.seq_id) == self.manager.get_block_ids(
+            parent.seq_id)
+        self.running.append(child)
+
+    @precondition(lambda self: self.running)
+    @rule(index=seq_index)
+    def free(self, index):
+        seq = self.pick(index)
+        self.running.remove(seq)
+        self.manager.free(seq)
+        assert not self.manager.has_sequence(seq.seq_id)
+
+    @precondition(lambda self: self.running)
+    @rule(index=seq_index)
+    def preempt(self, index):
+        seq = self.pick(index)
+        self.running.remove(seq)
+        self.manager.free(seq)
+        seq.num_computed_tokens = 0  # recompute: its tokens are kept, its KV is not
+        self.waiting.append(seq)
+
+    @precondition(lambda self: self.waiting)
+    @rule(chunk=chunk_size)
+    def readmit(self, chunk):
+        if self.admit(self.waiting[0], chunk):
+            self.waiting.pop(0)
+
+    @precondition(lambda self: self.manager is not None)
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), prefix_len=st.integers(1, 12))
+    def lookup(self, prefix, prefix_len):
+        m = self.manager
+        refs = [m.allocator.ref_count(b) for b in range(m.num_blocks)]
+        queue = list(m.allocator.free_block_ids())
+        seq = Sequence("probe", PREFIXES[prefix][:prefix_len] + [99], SamplingParams())
+        blocks, hit_tokens = m.get_computed_blocks(seq)
+        self.check_hit_blocks(seq, blocks, hit_tokens)
+        assert [m.allocator.ref_count(b) for b in range(m.num_blocks)] == refs
+        assert list(m.allocator.free_block_ids()) == queue
+
+    # ---- invariants after every step -----------------------------------------------------
+
+    @invariant()
+    def pool_is_consistent(self):
+        m = self.manager
+        if m is None:
+            return
+        m.check_invariants()
+        holders = [0] * m.num_blocks
+        for seq in self.running:
+            for block in m.get_block_ids(seq.seq_id):
+                holders[block] += 1
+        free = set(m.allocator.free_block_ids())
+        referenced = {b for b in range(m.num_blocks) if m.allocator.ref_count(b) > 0}
+        assert not free & referenced
+        assert len(free) + len(referenced) == m.num_blocks == m.num_free_blocks + len(referenced)
+        assert holders == [m.allocator.ref_count(b) for b in range(m.num_blocks)]
+        for seq in self.waiting:
+            assert not m.has_sequence(seq.seq_id)
+
+    @invariant()
+    def kv_contents_are_right(self):
+        m = self.manager
+        if m is None:
+            return
+        # Every computed position of every live sequence reads back its own token ...
+        for seq in self.running:
+            slots = m.slot_mapping(seq.seq_id, 0, seq.num_computed_tokens)
+            for position, slot in enumerate(slots):
+                block, offset = divmod(slot, self.bs)
+                assert self.shadow[block][offset] == seq.token_ids[position]
+        # ... and every cached block (referenced or evictable) holds its key's tokens.
+        for block, key in m.prefix_cache.cached_blocks().items():
+            assert self.shadow[block] == list(key.tokens)
+        if not m.enable_prefix_caching:
+            assert len(m.prefix_cache) == 0
+
+    def teardown(self):
+        m = self.manager
+        if m is None:
+            return
+        for seq in self.running:
+            m.free(seq)
+        m.check_invariants()
+        assert m.num_free_blocks == m.num_blocks  # everything free ...
+        for block in m.prefix_cache.cached_blocks():
+            assert m.allocator.ref_count(block) == 0  # ... cached blocks are evictable
+
+
+KVCacheMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestKVCacheManager = KVCacheMachine.TestCase

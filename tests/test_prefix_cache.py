@@ -1,0 +1,311 @@
+"""Prefix caching and copy-on-write through the KVCacheManager."""
+
+import pytest
+
+from refserve.kv_cache import KVCacheManager, NoFreeBlocksError, prefix_cache
+from refserve.kv_cache.prefix_cache import BlockKey, PrefixCache
+from refserve.sampling import SamplingParams
+from refserve.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(tokens, request_id="r"):
+    return Sequence(request_id, list(tokens), SamplingParams())
+
+
+def run_prefill(manager, seq):
+    """Admit seq the way the scheduler does, compute its whole prompt, cache full blocks."""
+    blocks, hit_tokens = manager.get_computed_blocks(seq)
+    copies = manager.allocate_slots(seq, seq.num_tokens - hit_tokens, blocks)
+    seq.num_computed_tokens += hit_tokens
+    seq.num_cached_tokens = hit_tokens
+    seq.num_computed_tokens = seq.num_tokens
+    manager.cache_full_blocks(seq)
+    manager.check_invariants()
+    return blocks, hit_tokens, copies
+
+
+PREFIX = list(range(100, 100 + 3 * BS))  # 3 full blocks
+
+
+def test_same_3_block_prefix_different_tail_hits_exactly_3_blocks():
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_seq(PREFIX + [1, 2])
+    run_prefill(manager, a)
+    b = make_seq(PREFIX + [7, 8, 9])
+    blocks, hit_tokens, copies = run_prefill(manager, b)
+    assert hit_tokens == 3 * BS
+    assert blocks == manager.get_block_ids(a.seq_id)[:3]
+    assert manager.get_block_ids(b.seq_id)[:3] == blocks
+    assert manager.get_block_ids(b.seq_id)[3] != manager.get_block_ids(a.seq_id)[3]
+    assert copies == []  # hit blocks are never written
+    assert manager.prefix_cache_queried_tokens == a.num_tokens + b.num_tokens
+    assert manager.prefix_cache_hit_tokens == 3 * BS
+    for block in blocks:
+        assert manager.allocator.ref_count(block) == 2
+
+
+def test_last_prompt_token_is_never_a_hit():
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_seq(PREFIX)  # exactly 3 full blocks
+    run_prefill(manager, a)
+    assert len(manager.prefix_cache) == 3  # all three full blocks are cached ...
+    b = make_seq(PREFIX)
+    blocks, hit_tokens = manager.get_computed_blocks(b)
+    assert hit_tokens == 2 * BS  # ... but the block holding the last token is not a hit
+    assert len(blocks) == 2
+    c = make_seq(PREFIX + [5])
+    assert manager.get_computed_blocks(c)[1] == 3 * BS
+    assert manager.get_computed_blocks(make_seq(PREFIX[:1]))[1] == 0
+
+
+def test_get_computed_blocks_touches_nothing_and_stops_at_first_miss():
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_seq(PREFIX + [1])
+    run_prefill(manager, a)
+    free_before = manager.num_free_blocks
+    refs_before = [manager.allocator.ref_count(b) for b in range(16)]
+    other_second_block = PREFIX[:BS] + [0] * BS + PREFIX[2 * BS:] + [1]
+    blocks, hit_tokens = manager.get_computed_blocks(make_seq(other_second_block))
+    assert hit_tokens == BS  # block 2 has the same tokens but a different prefix: a miss
+    assert manager.num_free_blocks == free_before
+    assert [manager.allocator.ref_count(b) for b in range(16)] == refs_before
+
+
+def test_only_computed_blocks_are_cached():
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_seq(PREFIX + [1])
+    manager.allocate_slots(a, a.num_tokens)
+    a.num_computed_tokens = BS + 2  # one and a half blocks of KV written so far
+    manager.cache_full_blocks(a)
+    assert len(manager.prefix_cache) == 1
+    a.num_computed_tokens = a.num_tokens
+    manager.cache_full_blocks(a)
+    assert len(manager.prefix_cache) == 3
+
+
+def test_disabled_prefix_caching_hashes_nothing():
+    manager = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=False)
+    run_prefill(manager, make_seq(PREFIX + [1]))
+    _, hit_tokens, _ = run_prefill(manager, make_seq(PREFIX + [1]))
+    assert hit_tokens == 0
+    assert len(manager.prefix_cache) == 0
+    assert manager.prefix_cache_queried_tokens == 0
+
+
+def test_evictable_hit_blocks_are_revived_and_counted_once():
+    manager = KVCacheManager(num_blocks=4, block_size=BS)
+    a = make_seq(PREFIX + [1])  # 4 blocks: the whole pool
+    run_prefill(manager, a)
+    manager.free(a)
+    assert manager.num_free_blocks == 4  # 3 cached blocks are evictable, they count as free
+    b = make_seq(PREFIX + [2])
+    blocks, hit_tokens = manager.get_computed_blocks(b)
+    assert hit_tokens == 3 * BS
+    # Needs the 3 revived blocks + 1 new = 4 <= 4 free: counting revived blocks as both
+    # "free" and "already mine" would wrongly allow 2 new blocks too.
+    assert manager.can_allocate(b, 1, blocks)
+    assert not manager.can_allocate(b, BS + 1, blocks)
+    with pytest.raises(NoFreeBlocksError):
+        manager.allocate_slots(b, BS + 1, blocks)
+    assert not manager.has_sequence(b.seq_id)  # atomic: nothing changed
+    assert manager.num_free_blocks == 4
+    manager.check_invariants()
+    manager.allocate_slots(b, 1, blocks)
+    assert manager.num_free_blocks == 0
+    manager.check_invariants()
+
+
+def test_lru_eviction_order():
+    manager = KVCacheManager(num_blocks=6, block_size=BS)
+    # Sequence x: 2 full cached blocks + 1 partial. Sequence y: 2 full cached + 1 partial.
+    x = make_seq([1] * BS + [2] * BS + [3])
+    y = make_seq([4] * BS + [5] * BS + [6])
+    run_prefill(manager, x)
+    run_prefill(manager, y)
+    x_blocks, y_blocks = manager.get_block_ids(x.seq_id), manager.get_block_ids(y.seq_id)
+    manager.free(x)  # x released first: least recently used
+    manager.free(y)
+    queue = list(manager.allocator.free_block_ids())
+    # Uncached partial blocks first (worthless), then x tail-first, then y tail-first.
+    assert set(queue[:2]) == {x_blocks[2], y_blocks[2]}
+    assert queue[2:] == [x_blocks[1], x_blocks[0], y_blocks[1], y_blocks[0]]
+
+    # A new unrelated sequence of 3 blocks takes both partial blocks, then evicts x's
+    # deepest block: x's first block and all of y's stay findable.
+    z = make_seq([9] * (2 * BS + 1))
+    run_prefill(manager, z)
+    assert not manager.prefix_cache.is_cached(x_blocks[1])
+    assert manager.prefix_cache.is_cached(x_blocks[0])
+    assert manager.get_computed_blocks(make_seq([1] * BS + [2] * BS + [3]))[1] == BS
+    assert manager.get_computed_blocks(make_seq([4] * BS + [5] * BS + [6]))[1] == 2 * BS
+
+
+def test_hit_moves_block_out_of_lru_order():
+    manager = KVCacheManager(num_blocks=3, block_size=BS)
+    x = make_seq([1] * BS + [2])
+    run_prefill(manager, x)
+    x0 = manager.get_block_ids(x.seq_id)[0]
+    manager.free(x)
+    y = make_seq([1] * BS + [3])  # hits x0 and revives it from the free queue
+    run_prefill(manager, y)
+    assert manager.get_block_ids(y.seq_id)[0] == x0
+    assert x0 not in list(manager.allocator.free_block_ids())
+    manager.check_invariants()
+
+
+def test_stale_computed_blocks_are_rejected():
+    manager = KVCacheManager(num_blocks=2, block_size=BS)
+    a = make_seq([1] * BS + [2])
+    run_prefill(manager, a)
+    manager.free(a)
+    b = make_seq([1] * BS + [3])
+    blocks, _ = manager.get_computed_blocks(b)
+    run_prefill(manager, make_seq([7] * (2 * BS)))  # evicts and reuses the hit block
+    with pytest.raises(ValueError, match="no longer cached"):
+        manager.allocate_slots(b, 1, blocks)
+
+
+def test_collision_guard_with_constant_hash(monkeypatch):
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent_hash, tokens: 42)
+    assert BlockKey(None, (1, 2)) != BlockKey(None, (3, 4))
+    # Same tokens at another depth: still different keys.
+    assert BlockKey(BlockKey(None, (1, 2)), (1, 2)) != BlockKey(None, (1, 2))
+    assert BlockKey(BlockKey(None, (1, 2)), (3, 4)) == BlockKey(BlockKey(None, (1, 2)), (3, 4))
+
+    manager = KVCacheManager(num_blocks=32, block_size=BS)
+    a = make_seq([1] * BS + [2] * BS + [3] * BS + [0])
+    run_prefill(manager, a)
+    assert len(manager.prefix_cache) == 3  # all hash to 42, all cached separately
+    a_blocks = manager.get_block_ids(a.seq_id)
+    # Everything collides; only exact prefixes hit, each on the right block.
+    cases = [
+        ([1] * BS + [2] * BS + [3] * BS + [0], a_blocks[:3]),
+        ([1] * BS + [2] * BS + [9] * BS + [0], a_blocks[:2]),
+        ([2] * BS + [2] * BS + [3] * BS + [0], []),
+        ([1] * BS + [3] * BS + [0], a_blocks[:1]),
+        ([2] * BS + [0], []),
+    ]
+    for tokens, expected in cases:
+        blocks, hit_tokens = manager.get_computed_blocks(make_seq(tokens))
+        assert blocks == expected, tokens
+        assert hit_tokens == len(expected) * BS
+
+
+def test_prefix_cache_keeps_first_block_for_a_duplicate_prefix():
+    cache = PrefixCache()
+    key = BlockKey(None, (1, 2))
+    assert cache.insert(key, 5) is key
+    assert cache.insert(BlockKey(None, (1, 2)), 6) is key
+    assert cache.lookup(BlockKey(None, (1, 2))) == 5
+    assert not cache.is_cached(6)
+    assert cache.evict(5) and not cache.evict(5)
+    assert cache.lookup(key) is None
+
+
+# ---- copy-on-write -----------------------------------------------------------------------
+
+
+def test_fork_then_child_write_in_shared_partial_block_copies_once():
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    parent = make_seq(list(range(2 * BS + 2)))  # 2 full blocks + a partial one
+    run_prefill(manager, parent)
+    child = parent.fork()
+    manager.fork(parent, child)
+    parent_blocks = manager.get_block_ids(parent.seq_id)
+    assert manager.get_block_ids(child.seq_id) == parent_blocks
+    manager.check_invariants()
+
+    child.append_token(77)  # sampled; position 2*BS+2 lies in the shared partial block
+    copies = manager.allocate_slots(child, 1)
+    child_blocks = manager.get_block_ids(child.seq_id)
+    assert copies == [(parent_blocks[2], child_blocks[2])]
+    assert child_blocks[:2] == parent_blocks[:2]  # full blocks stay shared
+    assert manager.get_block_ids(parent.seq_id) == parent_blocks  # parent untouched
+    assert manager.allocator.ref_count(parent_blocks[2]) == 1
+    assert manager.slot_mapping(child.seq_id, 2 * BS + 2, 2 * BS + 3) == [
+        child_blocks[2] * BS + 2]
+    manager.check_invariants()
+
+    # The parent is now the last holder of its partial block: it writes in place.
+    parent.append_token(88)
+    assert manager.allocate_slots(parent, 1) == []
+    assert manager.get_block_ids(parent.seq_id) == parent_blocks
+
+
+def test_fork_write_into_fresh_block_needs_no_copy():
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    parent = make_seq(list(range(2 * BS)))  # exactly full: next token opens a new block
+    run_prefill(manager, parent)
+    child = parent.fork()
+    manager.fork(parent, child)
+    child.append_token(1)
+    assert manager.allocate_slots(child, 1) == []
+    assert len(manager.get_block_ids(child.seq_id)) == 3
+
+
+def test_cow_is_atomic_when_pool_is_short():
+    manager = KVCacheManager(num_blocks=2, block_size=BS)
+    parent = make_seq([1, 2])
+    run_prefill(manager, parent)
+    children = [parent.fork() for _ in range(2)]
+    for child in children:
+        manager.fork(parent, child)
+    children[0].append_token(3)
+    manager.allocate_slots(children[0], 1)  # takes the last free block for its copy
+    children[1].append_token(3)
+    assert not manager.can_allocate(children[1], 1)
+    before = manager.get_block_ids(children[1].seq_id)
+    with pytest.raises(NoFreeBlocksError):
+        manager.allocate_slots(children[1], 1)
+    assert manager.get_block_ids(children[1].seq_id) == before
+    manager.check_invariants()
+
+
+def test_append_rule_through_the_manager():
+    manager = KVCacheManager(num_blocks=8, block_size=16)
+    seq = make_seq(list(range(15)))
+    manager.allocate_slots(seq, 15)
+    seq.num_computed_tokens = 15
+    assert manager.num_free_blocks == 7
+    seq.append_token(1)  # the 16th token: no new block
+    manager.allocate_slots(seq, 1)
+    seq.num_computed_tokens = 16
+    assert manager.num_free_blocks == 7
+    seq.append_token(2)  # the 17th token: exactly one new block
+    manager.allocate_slots(seq, 1)
+    assert manager.num_free_blocks == 6
+    assert manager.usage() == pytest.approx(2 / 8)
+    manager.free(seq)
+    assert manager.num_free_blocks == 8
+    manager.free(seq)  # freeing a sequence without blocks is a no-op
+
+
+def test_hit_below_a_recached_parent_block():
+    """Keys compare by content, not object identity: a cached block whose parent block was
+    evicted and later cached again (as a new key object, in another physical block) is
+    still a correct hit, and allocate_slots accepts it."""
+    bs = 2
+    manager = KVCacheManager(num_blocks=9, block_size=bs)
+    a = make_seq([1, 1, 2, 2, 3])
+    b = make_seq([1, 1, 2, 2, 5, 5, 6])
+    for seq in (a, b):  # admitted in the same step: neither sees the other's blocks
+        manager.allocate_slots(seq, seq.num_tokens)
+    for seq in (a, b):
+        seq.num_computed_tokens = seq.num_tokens
+        manager.cache_full_blocks(seq)
+    b_blocks = manager.get_block_ids(b.seq_id)
+    assert not manager.prefix_cache.is_cached(b_blocks[0])  # duplicate of a's block 0
+    assert manager.prefix_cache.is_cached(b_blocks[2])  # [5, 5] chained on a's keys
+    manager.free(a)
+    filler = make_seq([9] * 10)  # takes every free block: a's cached blocks are evicted
+    manager.allocate_slots(filler, filler.num_tokens)
+    manager.free(filler)
+    assert manager.get_computed_blocks(make_seq([1, 1, 2, 2, 0]))[1] == 0
+    run_prefill(manager, make_seq([1, 1, 2, 2, 7]))  # caches [1,1] and [2,2] again
+    d = make_seq([1, 1, 2, 2, 5, 5, 8])
+    blocks, hit_tokens = manager.get_computed_blocks(d)
+    assert hit_tokens == 6 and blocks[2] == b_blocks[2]
+    manager.allocate_slots(d, 1, blocks)
+    manager.check_invariants()
