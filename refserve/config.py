@@ -8,10 +8,10 @@
 | kv_cache_memory | bytes of host memory for the KV pool on the NumPy backend |
 | max_model_len | longest sequence (prompt + output) a request may reach |
 | max_num_seqs | seats in the running batch (continuous-batching slot cap) |
-| max_num_batched_tokens | token budget of one step; prompts longer than it are prefilled in chunks |
+| max_num_batched_tokens | token budget of one step (longer prompts: chunked prefill) |
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
-| kv_cache_layout | "paged" or "contiguous" (the naive baseline: one max_model_len block per sequence) |
+| kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
 """
 
 from __future__ import annotations

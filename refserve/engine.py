@@ -34,7 +34,7 @@ from refserve.kv_cache import KVCacheManager
 from refserve.metrics import RequestMetrics, RunSummary, summarize
 from refserve.model_runner import ModelRunner
 from refserve.sampling import Sampler, SamplingParams, make_generator
-from refserve.scheduler import ScheduledSequence, Scheduler, StaticScheduler
+from refserve.scheduler import Scheduler, StaticScheduler
 from refserve.sequence import Sequence, SequenceStatus
 
 
@@ -257,13 +257,11 @@ class LLMEngine:
                 "The KV pool is consistent; call step() again or abort these requests.",
                 ids) from e
         self.time_in_forward += time.perf_counter() - t_fwd
-        sampled = self._sample(out, logits)
-        retired = self.scheduler.update(out, sampled)
-        now = time.perf_counter()
-        touched = self._postprocess(out, sampled, now)
+        sampled, sampled_seqs = self._sample(out, logits)
+        self.scheduler.update(out, sampled)  # retired sequences' blocks are freed here
+        touched = self._postprocess(sampled_seqs, time.perf_counter())
         self.kv_blocks_peak = max(self.kv_blocks_peak, self.kv_cache_manager.num_blocks
                                   - self.kv_cache_manager.num_free_blocks)
-        del retired  # their blocks are already free; outputs are built per request below
         outputs = [self._output(req) for req in touched]
         for req in touched:
             if req.finished:
@@ -271,36 +269,37 @@ class LLMEngine:
         self.time_in_step += time.perf_counter() - t_step
         return outputs
 
-    def _sample(self, out, logits) -> dict[int, list[int]]:
+    def _sample(self, out, logits) -> tuple[dict[int, list[int]], list[Sequence]]:
+        """One token per sampling row; returns {seq_id: [token]} and the sequences sampled
+        (children forked this step included)."""
         rows = [s for s in out.scheduled if s.samples and not s.is_padding]
         reqs = [self.requests[s.seq.request_id] for s in rows]
         tokens = self.sampler.sample(logits, [s.seq.sampling_params for s in rows],
                                      [r.generators[s.seq.seq_id] for s, r in zip(rows, reqs)])
-        sampled = {}
+        sampled, seqs = {}, []
         for row, (s, req, token) in enumerate(zip(rows, reqs, tokens)):
             sampled[s.seq.seq_id] = [token]
+            seqs.append(s.seq)
             if not s.seq.forked:
-                # Parallel sampling: the prompt was computed once; now fork n-1 children that
-                # share every block (copy-on-write) and draw their own first token.
+                # Parallel sampling: the prompt was computed once; fork n-1 children that
+                # share every block (copy-on-write) and draw their own first token from the
+                # same logits. They ride this step: update() advances them with the parent.
                 for i in range(1, req.params.n):
                     child = s.seq.fork()
                     child.child_index = i
                     req.seqs.append(child)
                     gen = req.generators[child.seq_id] = make_generator(req.params.seed, i)
                     self.scheduler.fork(s.seq, child)
-                    out.scheduled.append(ScheduledSequence(
-                        seq=child, num_tokens=s.num_tokens, start=s.start, samples=True))
                     sampled[child.seq_id] = self.sampler.sample(
                         logits[row:row + 1], [req.params], [gen])
-                s.seq.forked = True
-        return sampled
+                    seqs.append(child)
+        return sampled, seqs
 
-    def _postprocess(self, out, sampled, now) -> list[_Request]:
+    def _postprocess(self, seqs: list[Sequence], now: float) -> list[_Request]:
         touched: dict[str, _Request] = {}
-        for s in out.scheduled:
-            seq = s.seq
+        for seq in seqs:
             req = self.requests.get(seq.request_id)
-            if req is None or seq.seq_id not in sampled:
+            if req is None:
                 continue
             touched[req.request_id] = req
             if seq.num_output_tokens == 1 and seq.first_token_time is None:

@@ -91,7 +91,7 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
-    def fork(self, seq_id: int | None = None) -> "Sequence":
+    def fork(self, seq_id: int | None = None) -> Sequence:
         """A child with the same tokens and computed state (its blocks are shared by the
         KV-cache manager's `fork`, not here)."""
         child = Sequence(self.request_id, self.prompt_token_ids, self.sampling_params,

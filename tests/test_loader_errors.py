@@ -7,8 +7,12 @@ import pytest
 from model_utils import numpy_backend, save_tiny_hf_model
 
 from refserve.models.llama import load_model
-from refserve.models.loader import (ModelLoadError, UnsupportedModelError, load_config,
-                                    read_safetensors)
+from refserve.models.loader import (
+    ModelLoadError,
+    UnsupportedModelError,
+    load_config,
+    read_safetensors,
+)
 
 
 def test_nonexistent_path(tmp_path):

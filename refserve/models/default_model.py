@@ -10,8 +10,9 @@ weights quantized to Q4_1, embeddings to Q8_0). On first use we:
 3. Convert it to an ordinary Hugging Face folder with `convert_gguf_to_hf`:
    config.json, model.safetensors (float32, ~540 MB), tokenizer.json, tokenizer_config.json
    (with the chat template) and generation_config.json.
-4. Keep the GGUF in `$REFSERVE_HOME/downloads/` and rename the finished folder into the cache in one `os.replace`, so an interrupted run never
-   leaves a folder that later loads half a model.
+4. Keep the GGUF in `$REFSERVE_HOME/downloads/` and rename the finished folder into the
+   cache in one `os.replace`, so an interrupted run never leaves a folder that
+   later loads half a model.
 
 The cache is `$REFSERVE_HOME/models/SmolLM2-135M-Instruct`, with `REFSERVE_HOME` defaulting to
 `~/.cache/refserve`.
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile

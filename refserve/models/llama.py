@@ -5,7 +5,7 @@ Llama, SmolLM, Mistral and Qwen2 share one shape; the differences are config val
 
     h = embed(input_ids)
     for each layer:
-        a = rms_norm(h) @ [Wq | Wk | Wv]         (+ bias for Qwen2 / attention_bias)
+        a = rms_norm(h) @ [Wq | Wk | Wv]         (+ bias: Qwen2, attention_bias)
         q, k = rope(q, positions), rope(k, positions)
         write k, v into the paged KV cache at slot_mapping     ← backend.write_kv
         o = attention(q, cached K/V of each sequence)         ← backend.paged_attention
@@ -14,8 +14,8 @@ Llama, SmolLM, Mistral and Qwen2 share one shape; the differences are config val
     logits = rms_norm(h)[rows that sample] @ Wlm_headᵀ
 
     rms_norm(x) = x / sqrt(mean(x²) + eps) * weight
-    rope: the "rotate half" form, for each pair (x_i, x_{i+d/2}) at position p with
-          θ_i = p · theta^(-2i/d):  (x_i cos θ_i − x_{i+d/2} sin θ_i,  x_{i+d/2} cos θ_i + x_i sin θ_i)
+    rope: the "rotate half" form; each pair (x_i, x_{i+d/2}) at position p, θ_i = p·theta^(-2i/d),
+          becomes (x_i cos θ_i − x_{i+d/2} sin θ_i,  x_{i+d/2} cos θ_i + x_i sin θ_i)
 
 The batch is flat: T tokens from any number of sequences, prefill chunks and decodes mixed;
 the attention metadata (see docs/architecture.md) tells the attention which token belongs
