@@ -1,0 +1,585 @@
+"""Scheduler tests: a stub model whose outputs are known up front, a fake runner that checks
+the KV cache really holds each sequence's tokens, a property test over random workloads, and
+unit tests for chunked prefill, preemption, abort, fork and static vs continuous batching."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from refserve.capacity import blocks_for_tokens
+from refserve.kv_cache.kv_cache_manager import KVCacheManager
+from refserve.sampling import SamplingParams
+from refserve.scheduler import (
+    ScheduledSequence,
+    Scheduler,
+    SchedulerOutput,
+    StaticScheduler,
+    stub_next_token,
+)
+from refserve.sequence import Sequence, SequenceStatus
+
+SCHEDULERS = {"continuous": Scheduler, "static": StaticScheduler}
+
+
+class FakeRunner:
+    """Plays the model runner against a fake KV cache: slot -> (position, token id).
+
+    Each step it runs the copy-on-write copies, writes the scheduled tokens to the slots the
+    KV-cache manager maps them to, then "attends" every position of the context through the
+    block table and checks that each slot holds that very token. Sampling uses the stub
+    model, so a request's outputs are known before it runs.
+    """
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.slots: dict[int, tuple[int, int]] = {}
+
+    def execute(self, out: SchedulerOutput,
+                extra: dict[int, int] | None = None) -> dict[int, list[int]]:
+        bs = self.kv.block_size
+        for src, dst in out.block_copies:
+            for offset in range(bs):
+                value = self.slots.get(src * bs + offset)
+                if value is None:
+                    self.slots.pop(dst * bs + offset, None)
+                else:
+                    self.slots[dst * bs + offset] = value
+        sampled: dict[int, list[int]] = {}
+        seen: set[int] = set()
+        for row in out.scheduled:
+            seq = row.seq
+            assert seq.seq_id not in seen, "a sequence is scheduled twice in one step"
+            seen.add(seq.seq_id)
+            assert row.num_tokens >= 1
+            if row.is_padding:
+                assert seq.is_finished and not row.samples and row.num_tokens == 1
+                assert row.start == seq.num_computed_tokens - 1
+            else:
+                assert seq.status is SequenceStatus.RUNNING
+                assert row.start == seq.num_computed_tokens
+                assert row.samples == (row.end == seq.num_tokens)
+                slots = self.kv.slot_mapping(seq.seq_id, row.start, row.end)
+                for position, slot in zip(range(row.start, row.end), slots, strict=True):
+                    self.slots[slot] = (position, seq.token_ids[position])
+            blocks = self.kv.get_block_ids(seq.seq_id)
+            for position in range(row.end):
+                slot = blocks[position // bs] * bs + position % bs
+                assert self.slots.get(slot) == (position, seq.token_ids[position]), (
+                    f"seq {seq.seq_id} position {position}: KV slot {slot} holds "
+                    f"{self.slots.get(slot)}")
+            if row.samples:
+                sampled[seq.seq_id] = [stub_next_token(seq.request_id, row.end)]
+        return sampled
+
+
+def expected_output(request_id: str, prompt_len: int, params: SamplingParams,
+                    max_model_len: int, eos_token_id: int | None) -> tuple[list[int], str]:
+    """What the stub model must produce for a request, and its finish reason."""
+    tokens: list[int] = []
+    while True:
+        token = stub_next_token(request_id, prompt_len + len(tokens))
+        tokens.append(token)
+        if token in params.stop_token_ids or (token == eos_token_id and not params.ignore_eos):
+            return tokens, "stop"
+        if len(tokens) >= params.max_tokens or prompt_len + len(tokens) >= max_model_len:
+            return tokens, "length"
+
+
+def block_holders(sched) -> list[Sequence]:
+    return list(sched.running) + list(getattr(sched, "padding", []))
+
+
+def check_blocks(sched, kv: KVCacheManager, all_seqs: list[Sequence]) -> None:
+    """No leak: the pool's free count is exactly the blocks nobody running holds, and every
+    sequence that is not in the batch (waiting, finished, aborted) holds no block."""
+    kv.check_invariants()
+    holders = block_holders(sched)
+    held: set[int] = set()
+    for seq in holders:
+        if kv.has_sequence(seq.seq_id):
+            held.update(kv.get_block_ids(seq.seq_id))
+    assert kv.num_free_blocks == kv.num_blocks - len(held)
+    holder_ids = {seq.seq_id for seq in holders}
+    for seq in all_seqs:
+        if seq.seq_id not in holder_ids:
+            assert not kv.has_sequence(seq.seq_id), f"{seq} left the batch holding blocks"
+
+
+def step(sched, runner: FakeRunner) -> tuple[SchedulerOutput, list[Sequence]]:
+    out = sched.schedule()
+    retired = sched.update(out, runner.execute(out))
+    return out, retired
+
+
+def make_seq(request_id: str, prompt_len: int, max_tokens: int, **params) -> Sequence:
+    prompt = [(zlib.crc32(request_id.encode()) + 7 * i) % 997 + 1 for i in range(prompt_len)]
+    return Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params))
+
+
+def make(cls=Scheduler, *, num_blocks=64, block_size=4, max_num_seqs=4, budget=64,
+         max_model_len=512, prefix=True, eos=None):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    sched = cls(max_num_seqs, budget, kv, max_model_len, eos_token_id=eos)
+    return sched, kv, FakeRunner(kv)
+
+
+def run_all(sched, runner, max_steps=10_000) -> dict[str, Sequence]:
+    done = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return done
+        _, retired = step(sched, runner)
+        done.update({seq.request_id: seq for seq in retired})
+    raise AssertionError("did not finish")
+
+
+# ---- the property test --------------------------------------------------------------------
+
+PREFIXES = [[(g * 131 + i * 17) % 991 + 1 for i in range(100)] for g in range(3)]
+
+
+@st.composite
+def workloads(draw):
+    num_requests = draw(st.integers(1, 10))
+    requests = []
+    for i in range(num_requests):
+        prompt_len = draw(st.integers(1, 100))
+        group = draw(st.sampled_from([None, 0, 1, 2]))
+        shared = 0 if group is None else draw(st.integers(0, prompt_len))
+        own = [(i * 53 + j * 29) % 983 + 1000 for j in range(prompt_len - shared)]
+        prompt = (PREFIXES[group][:shared] if group is not None else []) + own
+        requests.append(dict(
+            request_id=f"r{i}", prompt=prompt, arrival=draw(st.integers(0, 15)),
+            max_tokens=draw(st.integers(1, 40)),
+            stop_at=draw(st.none() | st.integers(0, 39)),
+            ignore_eos=draw(st.booleans()),
+            abort_after=draw(st.none() | st.none() | st.integers(0, 30))))
+    max_prompt = max(len(r["prompt"]) for r in requests)
+    max_model_len = draw(st.sampled_from([1000, max_prompt, max_prompt + 5, max_prompt + 30]))
+    eos_from = draw(st.none() | st.integers(0, 39))
+    return dict(requests=requests, max_model_len=max_model_len, eos_from=eos_from,
+                block_size=draw(st.sampled_from([1, 2, 4, 8, 16])),
+                extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 10, 100])),
+                max_num_seqs=draw(st.integers(1, 8)),
+                budget=draw(st.sampled_from([1, 5, 16, 32, 64, 256])),
+                prefix=draw(st.booleans()))
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=workloads())
+def test_random_workloads(batching, w):
+    requests, max_model_len, bs = w["requests"], w["max_model_len"], w["block_size"]
+    r0 = requests[0]
+    eos = None if w["eos_from"] is None else stub_next_token(
+        r0["request_id"], len(r0["prompt"]) + w["eos_from"])
+    for r in requests:
+        stop = [] if r["stop_at"] is None else [
+            stub_next_token(r["request_id"], len(r["prompt"]) + r["stop_at"])]
+        params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"],
+                                stop_token_ids=stop)
+        r["params"] = params
+        r["expected"] = expected_output(r["request_id"], len(r["prompt"]), params,
+                                        max_model_len, eos)
+    # Barely enough: the pool holds the largest request alone (prompt + max_tokens).
+    need = max(max(blocks_for_tokens(min(len(r["prompt"]) + r["max_tokens"], max_model_len), bs),
+                   blocks_for_tokens(len(r["prompt"]) + 1, bs)) for r in requests)
+    sched, kv, runner = make(SCHEDULERS[batching], num_blocks=need + w["extra_blocks"],
+                             block_size=bs, max_num_seqs=w["max_num_seqs"], budget=w["budget"],
+                             max_model_len=max_model_len, prefix=w["prefix"], eos=eos)
+    # Liveness: the oldest running sequence gets budget first and is never preempted, so
+    # every step advances it; no request needs more steps than it has tokens.
+    bound = sum(len(r["prompt"]) + r["max_tokens"] for r in requests)
+
+    seqs: dict[str, Sequence] = {}
+    finished: dict[str, Sequence] = {}
+    aborted: set[str] = set()
+    clock = 0
+    num_steps = 0
+    while True:
+        for r in requests:
+            if r["arrival"] == clock:
+                seq = Sequence(r["request_id"], r["prompt"], r["params"])
+                seqs[r["request_id"]] = seq
+                sched.add_sequence(seq)
+            if (r["abort_after"] is not None and r["arrival"] + r["abort_after"] == clock
+                    and r["request_id"] not in finished):
+                seq = sched.abort(seqs[r["request_id"]].seq_id)
+                assert seq is seqs[r["request_id"]]
+                assert seq.status is SequenceStatus.FINISHED_ABORTED
+                assert sched.abort(seq.seq_id) is None
+                aborted.add(r["request_id"])
+                check_blocks(sched, kv, list(seqs.values()))
+        if not sched.has_unfinished():
+            if all(r["arrival"] <= clock for r in requests):
+                break
+            clock += 1
+            continue
+        out = sched.schedule()
+        num_steps += 1
+        assert num_steps <= bound, "the loop does not terminate"
+        assert out.num_batched_tokens == sum(row.num_tokens for row in out.scheduled)
+        assert 1 <= out.num_batched_tokens <= w["budget"]
+        assert len(out.scheduled) <= w["max_num_seqs"]
+        assert sum(seq.num_seats for seq in block_holders(sched)) <= w["max_num_seqs"]
+        for seq_id in out.preempted:
+            seq = next(s for s in seqs.values() if s.seq_id == seq_id)
+            assert seq in sched.waiting and seq.num_computed_tokens == 0
+        retired = sched.update(out, runner.execute(out))
+        for seq in retired:
+            assert seq.is_finished and seq.request_id not in finished
+            finished[seq.request_id] = seq
+        check_blocks(sched, kv, list(seqs.values()))
+        clock += 1
+
+    assert not sched.running and not sched.waiting
+    assert kv.num_free_blocks == kv.num_blocks
+    event(f"preemptions: {min(sched.num_preemptions, 3)}")
+    event(f"prefix-cache hit tokens > 0: {kv.prefix_cache_hit_tokens > 0}")
+    event(f"aborted: {bool(aborted)}")
+    event(f"finish reasons: {sorted({s.status.finish_reason for s in finished.values()})}")
+    for r in requests:
+        rid = r["request_id"]
+        if rid in aborted:
+            assert rid not in finished
+            continue
+        tokens, reason = r["expected"]
+        assert finished[rid].output_token_ids == tokens
+        assert finished[rid].status.finish_reason == reason
+        assert finished[rid].token_ids == r["prompt"] + tokens
+    assert sched.slot_steps_used <= num_steps * w["max_num_seqs"]
+    if batching == "continuous":
+        assert sched.slot_steps_wasted == 0
+    else:  # it reserved every batch's whole generation up front
+        assert sched.num_preemptions == 0
+
+
+# ---- unit tests ---------------------------------------------------------------------------
+
+
+def test_chunked_prefill_interleaves_with_decodes():
+    sched, kv, runner = make(budget=32, num_blocks=64, block_size=4, prefix=False)
+    a = make_seq("a", 4, 50)
+    sched.add_sequence(a)
+    step(sched, runner)  # a's prefill; from now on a decodes
+    b = make_seq("b", 100, 3)
+    sched.add_sequence(b)
+    rows = []
+    for _ in range(4):
+        out, _ = step(sched, runner)
+        assert [row.seq for row in out.scheduled] == [a, b]
+        assert out.scheduled[0].kind == "decode" and out.scheduled[0].num_tokens == 1
+        rows.append((out.scheduled[1].start, out.scheduled[1].num_tokens, out.scheduled[1].kind))
+        assert out.num_batched_tokens <= 32
+    assert rows == [(0, 31, "chunk"), (31, 31, "chunk"), (62, 31, "chunk"), (93, 7, "prefill")]
+    assert b.num_output_tokens == 1 and b.num_computed_tokens == 100
+    assert a.num_output_tokens == 5
+
+
+def test_preemption_preempts_newest_to_head_of_queue_and_keeps_output():
+    # 6 blocks of 4: a and b (4-token prompts) each grow one block every 4 decodes.
+    sched, kv, runner = make(num_blocks=6, block_size=4, max_num_seqs=2, prefix=False)
+    a, b, c = make_seq("a", 4, 12), make_seq("b", 4, 12), make_seq("c", 4, 2)
+    for seq in (a, b, c):
+        sched.add_sequence(seq)
+    preempted_at = None
+    for i in range(100):
+        out, _ = step(sched, runner)
+        if out.preempted:
+            preempted_at = i
+            break
+    assert preempted_at is not None
+    assert out.preempted == [b.seq_id]  # the newest running sequence
+    assert "preempted [" in str(out) and f"[{b.seq_id}]" in str(out)
+    assert list(sched.waiting) == [b, c]  # at the head, ahead of c
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and sched.num_preemptions == 1
+    kept = list(b.output_token_ids)
+    assert kept and b.token_ids == b.prompt_token_ids + kept
+    assert not kv.has_sequence(b.seq_id)
+    done = run_all(sched, runner)
+    for seq in (a, b, c):
+        tokens, _ = expected_output(seq.request_id, 4, seq.sampling_params, 512, None)
+        assert done[seq.request_id].output_token_ids == tokens
+    assert b.output_token_ids[:len(kept)] == kept
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_newest_sequence_preempts_itself():
+    # 2 blocks of 4. a (3 tokens) and b (4 tokens) take one block each; at the next step a
+    # writes position 3 in its own block, b needs a second block: b is the newest, so b
+    # preempts itself instead of a.
+    sched, kv, runner = make(num_blocks=2, block_size=4, prefix=False)
+    a, b = make_seq("a", 3, 2), make_seq("b", 4, 3)
+    sched.add_sequence(a)
+    sched.add_sequence(b)
+    out, _ = step(sched, runner)
+    assert out.admitted == [a.seq_id, b.seq_id]
+    out, _ = step(sched, runner)
+    assert out.preempted == [b.seq_id] and out.admitted == []
+    assert [row.seq for row in out.scheduled] == [a]
+    assert list(sched.waiting) == [b] and b.num_output_tokens == 1
+    done = run_all(sched, runner)
+    tokens, _ = expected_output("b", 4, b.sampling_params, 512, None)
+    assert done["b"].output_token_ids == tokens
+
+
+def test_a_lone_sequence_the_pool_cannot_hold_is_an_error():
+    sched, kv, runner = make(num_blocks=2, block_size=4, prefix=False)
+    sched.add_sequence(make_seq("a", 7, 10))  # needs a third block at position 8
+    with pytest.raises(RuntimeError, match="cannot fit"):
+        run_all(sched, runner)
+
+
+def test_admission_is_fcfs_and_never_preempts():
+    sched, kv, runner = make(num_blocks=5, block_size=4, max_num_seqs=8, prefix=False)
+    a, b, c = make_seq("a", 12, 2), make_seq("b", 8, 2), make_seq("c", 1, 2)
+    for seq in (a, b, c):
+        sched.add_sequence(seq)
+    out, _ = step(sched, runner)
+    # a takes 3 blocks and b the last 2: c finds no block and waits. Admission does not
+    # preempt anyone to make room for it.
+    assert out.admitted == [a.seq_id, b.seq_id]
+    assert list(sched.waiting) == [c] and out.preempted == []
+    run_all(sched, runner)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_head_of_queue_blocks_admission_no_skipping():
+    sched, kv, runner = make(num_blocks=4, block_size=4, max_num_seqs=8, prefix=False)
+    a, big, small = make_seq("a", 8, 3), make_seq("big", 12, 1), make_seq("small", 1, 1)
+    for seq in (a, big, small):
+        sched.add_sequence(seq)
+    out, _ = step(sched, runner)
+    assert out.admitted == [a.seq_id]  # big does not fit; small (which would) must wait
+    assert list(sched.waiting) == [big, small]
+    run_all(sched, runner)
+
+
+def test_seats_limit_and_parent_reserves_n_seats():
+    sched, kv, runner = make(max_num_seqs=3)
+    parent = make_seq("p", 5, 4, n=3)
+    other = make_seq("o", 5, 4)
+    sched.add_sequence(parent)
+    sched.add_sequence(other)
+    out, _ = step(sched, runner)
+    assert out.admitted == [parent.seq_id] and out.num_seats_used == 3
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        sched.add_sequence(make_seq("q", 5, 4, n=4))
+
+
+@pytest.mark.parametrize("where", ["waiting", "running", "preempted"])
+def test_abort_frees_blocks_at_once(where):
+    sched, kv, runner = make(num_blocks=6, block_size=4, max_num_seqs=2, prefix=False)
+    a, b = make_seq("a", 4, 12), make_seq("b", 4, 12)
+    sched.add_sequence(a)
+    if where == "waiting":
+        sched.add_sequence(b)
+        sched.max_num_seqs = 1  # keep b waiting
+        step(sched, runner)
+        assert b in sched.waiting
+    elif where == "running":
+        sched.add_sequence(b)
+        step(sched, runner)
+        assert b in sched.running and kv.has_sequence(b.seq_id)
+    else:
+        sched.add_sequence(b)
+        while True:
+            out, _ = step(sched, runner)
+            if out.preempted:
+                break
+        assert out.preempted == [b.seq_id] and b in sched.waiting
+    assert sched.abort(b.seq_id) is b
+    assert b.status is SequenceStatus.FINISHED_ABORTED
+    assert b not in sched.waiting and b not in sched.running
+    assert not kv.has_sequence(b.seq_id)
+    check_blocks(sched, kv, [a, b])
+    assert sched.abort(b.seq_id) is None and sched.abort(12345) is None
+    sched.max_num_seqs = 2
+    run_all(sched, runner)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_abort_between_schedule_and_update_is_skipped():
+    sched, kv, runner = make()
+    a = make_seq("a", 5, 4)
+    sched.add_sequence(a)
+    out = sched.schedule()
+    sampled = runner.execute(out)
+    sched.abort(a.seq_id)
+    assert sched.update(out, sampled) == []
+    assert a.num_output_tokens == 0 and not kv.has_sequence(a.seq_id)
+    assert not sched.has_unfinished()
+
+
+def test_finish_for_a_stop_string_frees_blocks():
+    sched, kv, runner = make()
+    a = make_seq("a", 5, 10)
+    sched.add_sequence(a)
+    step(sched, runner)
+    assert sched.finish(a.seq_id, SequenceStatus.FINISHED_STOPPED) is a
+    assert a.status is SequenceStatus.FINISHED_STOPPED and not kv.has_sequence(a.seq_id)
+    assert not sched.has_unfinished() and sched.finish(a.seq_id,
+                                                      SequenceStatus.FINISHED_STOPPED) is None
+
+
+def test_stop_token_eos_and_max_model_len():
+    eos = stub_next_token("e", 5 + 2)  # e's third token
+    sched, kv, runner = make(eos=eos, max_model_len=8)
+    e = make_seq("e", 5, 10)
+    ignore = make_seq("e", 5, 10, ignore_eos=True)  # same stream, ignores eos
+    stop = make_seq("s", 5, 10, stop_token_ids=[stub_next_token("s", 5)])
+    for seq in (e, ignore, stop):
+        sched.add_sequence(seq)
+    run_all(sched, runner)
+    assert (e.status, e.num_output_tokens) == (SequenceStatus.FINISHED_STOPPED, 3)
+    assert (ignore.status, ignore.num_tokens) == (SequenceStatus.FINISHED_LENGTH, 8)
+    assert (stop.status, stop.num_output_tokens) == (SequenceStatus.FINISHED_STOPPED, 1)
+
+
+def test_add_sequence_validation():
+    sched, kv, _ = make(num_blocks=4, block_size=4, max_model_len=20)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_sequence(make_seq("long", 21, 1))
+    with pytest.raises(ValueError, match="whole pool"):
+        sched.add_sequence(make_seq("big", 16, 1))  # 17 tokens need 5 blocks of 4
+    sched.add_sequence(make_seq("ok", 15, 1))
+    with pytest.raises(ValueError):
+        Scheduler(0, 16, kv, 20)
+
+
+def test_prefix_cache_hits_are_not_recomputed():
+    sched, kv, runner = make(block_size=4, prefix=True)
+    first = make_seq("same", 10, 2)
+    sched.add_sequence(first)
+    run_all(sched, runner)
+    second = make_seq("same", 10, 2)  # the same prompt tokens
+    sched.add_sequence(second)
+    out, _ = step(sched, runner)
+    assert second.num_cached_tokens == 8
+    assert (out.scheduled[0].start, out.scheduled[0].num_tokens) == (8, 2)
+
+
+def test_fork_between_schedule_and_update_rides_the_step():
+    sched, kv, runner = make(block_size=4, max_num_seqs=2)
+    parent = make_seq("p", 6, 3, n=2)
+    sched.add_sequence(parent)
+    out = sched.schedule()
+    sampled = runner.execute(out)
+    child = parent.fork()
+    sched.fork(parent, child)
+    sampled[child.seq_id] = [7]
+    sched.update(out, sampled)
+    assert parent.forked and parent.num_seats == 1 and sched.num_seats_used == 2
+    assert sched.running == [parent, child]
+    assert child.num_computed_tokens == 6 and child.output_token_ids == [7]
+    out, _ = step(sched, runner)  # both write position 6 in the shared block: one copies
+    assert len(out.block_copies) == 1
+    assert [row.seq for row in out.scheduled] == [parent, child]
+    run_all(sched, runner)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_step_never_applied_is_scheduled_again():
+    # The engine's forward failed: update() never ran. The next schedule() redoes the same
+    # work, carries the copy-on-write copies over, and the stale output cannot be applied.
+    sched, kv, runner = make(block_size=4, max_num_seqs=2)
+    parent = make_seq("p", 6, 3, n=2)
+    sched.add_sequence(parent)
+    step(sched, runner)
+    sched.fork(parent, parent.fork(seq_id=None))
+    failed = sched.schedule()
+    assert len(failed.block_copies) == 1
+    retry = sched.schedule()
+    assert retry.block_copies == failed.block_copies
+    assert [(r.seq, r.start, r.num_tokens) for r in retry.scheduled] == \
+        [(r.seq, r.start, r.num_tokens) for r in failed.scheduled]
+    with pytest.raises(ValueError):
+        sched.update(failed, {})
+    sched.update(retry, runner.execute(retry))
+    run_all(sched, runner)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_output_string_shows_admitted_rows_and_summary():
+    sched, kv, runner = make(budget=8, max_num_seqs=2, num_blocks=10, block_size=4)
+    sched.add_sequence(make_seq("alpha", 12, 2))
+    sched.add_sequence(make_seq("beta", 3, 2))
+    out = sched.schedule()
+    text = str(out)
+    assert text.startswith("step 0:") and "admitted [" in text
+    assert "alpha" in text and "chunk" in text and "[0, 8)" in text
+    assert "budget 8/8 tokens" in text and "seats 1/2" in text and "free blocks 8/10" in text
+    sched.update(out, runner.execute(out))
+    assert isinstance(out.scheduled[0], ScheduledSequence)
+
+
+# ---- static vs continuous batching --------------------------------------------------------
+
+MAX_TOKENS = [2, 40, 3, 35, 1, 20, 5, 30]
+
+
+def run_fixed_workload(cls):
+    sched, kv, runner = make(cls, num_blocks=200, block_size=4, max_num_seqs=4, budget=256)
+    for i, max_tokens in enumerate(MAX_TOKENS):
+        sched.add_sequence(make_seq(f"req{i}", 8, max_tokens))
+    done = run_all(sched, runner)
+    assert kv.num_free_blocks == kv.num_blocks
+    return sched, {rid: seq.output_token_ids for rid, seq in done.items()}
+
+
+def test_static_vs_continuous():
+    cont, cont_out = run_fixed_workload(Scheduler)
+    static, static_out = run_fixed_workload(StaticScheduler)
+    assert cont_out == static_out and len(cont_out) == 8
+    # Every request is computed once per output token (prefill + max_tokens - 1 decodes).
+    assert cont.slot_steps_used == static.slot_steps_used == sum(MAX_TOKENS)
+    # Static: two batches of 4 run as long as their longest member, 40 + 30 steps, and
+    # every finished member keeps burning its seat until then.
+    assert static.num_steps == 40 + 30
+    assert static.slot_steps_wasted == (4 * 40 - (2 + 40 + 3 + 35)) + (4 * 30 - (1 + 20 + 5 + 30))
+    # Continuous: a seat is refilled the step after it frees. req1 (40 tokens, steps 0-39)
+    # ends last: req4 runs at step 2, req5 and req6 join at step 3, req7 at step 8 (-37).
+    assert cont.slot_steps_wasted == 0
+    assert cont.num_steps == 40
+    assert cont.num_steps < static.num_steps
+
+
+def test_static_padding_keeps_seat_and_blocks_until_the_batch_ends():
+    sched, kv, runner = make(StaticScheduler, num_blocks=20, block_size=4, max_num_seqs=4)
+    short, long_, late = make_seq("s", 5, 1), make_seq("l", 5, 4), make_seq("late", 5, 1)
+    for seq in (short, long_):
+        sched.add_sequence(seq)
+    out, retired = step(sched, runner)
+    assert retired == [short] and short.status is SequenceStatus.FINISHED_LENGTH
+    assert kv.has_sequence(short.seq_id)  # still holds its blocks
+    sched.add_sequence(late)
+    for _ in range(3):
+        out, retired = step(sched, runner)
+        pad = [row for row in out.scheduled if row.is_padding]
+        assert [row.seq for row in pad] == [short]
+        assert (pad[0].num_tokens, pad[0].start, pad[0].samples) == (1, 4, False)
+        assert out.admitted == [] and late in sched.waiting
+        assert "padding" in str(out)
+    assert retired == [long_]
+    assert not kv.has_sequence(short.seq_id) and not kv.has_sequence(long_.seq_id)
+    assert sched.slot_steps_wasted == 3
+    out, _ = step(sched, runner)
+    assert out.admitted == [late.seq_id]
+
+
+def test_static_batch_reserves_whole_generation():
+    # 10 blocks of 4: each request needs ceil((8 + 12) / 4) = 5 blocks reserved.
+    sched, kv, runner = make(StaticScheduler, num_blocks=10, block_size=4, max_num_seqs=4,
+                             prefix=False)
+    seqs = [make_seq(f"r{i}", 8, 12) for i in range(3)]
+    for seq in seqs:
+        sched.add_sequence(seq)
+    out, _ = step(sched, runner)
+    assert out.admitted == [seqs[0].seq_id, seqs[1].seq_id]
+    run_all(sched, runner)
+    assert sched.num_preemptions == 0
