@@ -1,0 +1,251 @@
+"""The engine on a tiny random model: prefix caching, copy-on-write parallel sampling, seeded
+sampling, bad input, aborts and a failing step. (The real-model engine tests are in
+test_engine_smollm2.py.)"""
+
+import numpy as np
+import pytest
+from model_utils import save_tiny_hf_model
+
+from refserve import LLM, SamplingParams
+from refserve.engine import EngineStepError, LLMEngine
+from refserve.sequence import SequenceStatus
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder, _ = save_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", True, 2)
+    return folder
+
+
+def make_llm(folder, **kw):
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_gpu_blocks", 256)
+    return LLM(model=str(folder), progress=False, **kw)
+
+
+def prompts(n, rng, lo=3, hi=40):
+    return [rng.integers(3, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def test_prefix_cache_computes_only_the_remainder(tiny_folder):
+    llm = make_llm(tiny_folder)
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(3, VOCAB, size=12).tolist()          # 3 full blocks of 4
+    tail = rng.integers(3, VOCAB, size=5).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    uncached = make_llm(tiny_folder, enable_prefix_caching=False).generate(
+        [prefix + tail], params)[0]
+    llm.generate([prefix + [7, 8, 9]], params)                 # warms the 3 prefix blocks
+    computed = []
+    original = engine.runner.execute
+
+    def counting_execute(entries, block_copies=()):
+        computed.append(sum(len(e.token_ids) for e in entries))
+        return original(entries, block_copies)
+
+    engine.runner.execute = counting_execute
+    out = llm.generate([prefix + tail], params)[0]
+    assert out.metrics.num_cached_tokens == 12
+    # Prefill computed only the 5 tail tokens, then 5 decode steps of one token each.
+    assert computed == [5, 1, 1, 1, 1, 1]
+    assert out.outputs[0].token_ids == uncached.outputs[0].token_ids
+    assert llm.last_summary.prefix_hit_rate == pytest.approx(12 / 17)
+
+
+def test_parallel_sampling_shares_prompt_blocks_and_matches_single_runs(tiny_folder):
+    llm = make_llm(tiny_folder, enable_prefix_caching=False)
+    prompt = np.random.default_rng(1).integers(3, VOCAB, size=10).tolist()  # 2.5 blocks
+    params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True)
+    computed, copies = [], []
+    original = llm.engine.runner.execute
+
+    def spy(entries, block_copies=()):
+        computed.append(sum(len(e.token_ids) for e in entries))
+        copies.extend(block_copies)
+        return original(entries, block_copies)
+
+    llm.engine.runner.execute = spy
+    out = llm.generate([prompt], params)[0]
+    assert computed[0] == 10          # the prompt is computed once, not four times
+    assert len(copies) == 3           # the shared partial last block: 3 copies, last in place
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    llm.engine.runner.execute = original
+    for i, child in enumerate(out.outputs):
+        alone = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0,
+                                                      seed=123 + i, ignore_eos=True))[0]
+        assert alone.outputs[0].token_ids == child.token_ids, f"child {i}"
+    kv = llm.engine.kv_cache_manager
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_seeded_sampling_independent_of_batch(tiny_folder):
+    llm = make_llm(tiny_folder)
+    rng = np.random.default_rng(2)
+    target = prompts(1, rng)[0]
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=20, seed=7,
+                            ignore_eos=True)
+    alone = llm.generate([target], params)[0].outputs[0].token_ids
+    others = prompts(6, rng)
+    mixed = llm.generate(others[:3] + [target] + others[3:],
+                         [SamplingParams(max_tokens=int(m), temperature=1.0, ignore_eos=True)
+                          for m in (3, 12, 5)] + [params] +
+                         [SamplingParams(max_tokens=4, temperature=0.0)] * 3)
+    assert mixed[3].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"n": 0}, "n"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{match}="):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
+    llm = make_llm(tiny_folder, num_gpu_blocks=20, max_model_len=64)
+    engine = llm.engine
+    good = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("ok-1", [5, 6, 7], good)
+    cases = [
+        ([], "empty"),
+        ([1, 2, VOCAB], "unknown token id"),
+        ([-1, 2], "unknown token id"),
+        (list(range(3, 68)), "max_model_len"),
+        ("text", "no tokenizer"),
+    ]
+    for prompt, match in cases:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(None, prompt, good)
+    small_pool = make_llm(tiny_folder, num_gpu_blocks=4, max_model_len=64).engine
+    with pytest.raises(ValueError, match="more than the whole KV pool"):
+        small_pool.add_request(None, list(range(3, 30)), good)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok-1", [5], good)
+    with pytest.raises(ValueError, match="prompt 1: .*unknown token id"):
+        llm.generate([[5, 6], [1000]], good)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["ok-1"]
+    expect = make_llm(tiny_folder).generate([[5, 6, 7]], good)[0].outputs[0].token_ids
+    assert outs[-1].outputs[0].token_ids == expect
+
+
+@pytest.mark.parametrize("when", ["waiting", "running", "preempted"])
+def test_abort_frees_blocks_at_once(tiny_folder, when):
+    llm = make_llm(tiny_folder, num_gpu_blocks=12, max_num_batched_tokens=64)
+    engine = llm.engine
+    kv = engine.kv_cache_manager
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 15)), params)
+    engine.add_request("b", list(range(20, 32)), params)
+    if when == "waiting":
+        engine.scheduler.max_num_seqs = 1
+        engine.step()
+        seq = engine.requests["b"].seqs[0]
+        assert seq.status is SequenceStatus.WAITING
+    elif when == "running":
+        engine.step()
+        seq = engine.requests["b"].seqs[0]
+        assert kv.get_block_ids(seq.seq_id)
+    else:
+        for _ in range(40):
+            engine.step()
+            seq = engine.requests["b"].seqs[0]
+            if seq.num_preemptions and seq.status is SequenceStatus.WAITING:
+                break
+        assert seq.num_preemptions > 0
+    engine.abort("b")
+    assert not kv.has_sequence(seq.seq_id)
+    kv.check_invariants()
+    while engine.has_unfinished():
+        engine.step()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_failing_step_names_requests_and_keeps_pool_consistent(tiny_folder):
+    llm = make_llm(tiny_folder)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    engine.add_request("r1", [4, 5, 6, 7, 8], params)
+    engine.add_request("r2", [9, 10, 11], params)
+    original = engine.runner.execute
+
+    def boom(*a, **k):
+        raise RuntimeError("injected model failure")
+
+    engine.runner.execute = boom
+    with pytest.raises(EngineStepError, match=r"\['r1', 'r2'\].*injected") as info:
+        engine.step()
+    assert info.value.request_ids == ["r1", "r2"]
+    engine.kv_cache_manager.check_invariants()
+    engine.runner.execute = original
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    fresh = make_llm(tiny_folder).generate([[4, 5, 6, 7, 8], [9, 10, 11]], params)
+    assert done == {"r1": fresh[0].outputs[0].token_ids, "r2": fresh[1].outputs[0].token_ids}
+
+
+def test_stop_token_ids_and_finish_reasons(tiny_folder):
+    llm = make_llm(tiny_folder)
+    base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0.0,
+                                                    ignore_eos=True))[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 10
+    stop_at = base.token_ids[3]
+    first = base.token_ids.index(stop_at)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0.0,
+                                                   ignore_eos=True,
+                                                   stop_token_ids=[stop_at]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:first + 1]
+
+
+def test_static_and_continuous_agree(tiny_folder):
+    rng = np.random.default_rng(5)
+    ps = prompts(8, rng)
+    params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True)
+              for m in rng.integers(2, 30, size=8)]
+    cont = make_llm(tiny_folder, max_num_seqs=4)
+    stat = make_llm(tiny_folder, max_num_seqs=4, batching="static")
+    a = cont.generate(ps, params)
+    b = stat.generate(ps, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert cont.last_summary.num_steps < stat.last_summary.num_steps
+    assert cont.last_summary.slot_steps_wasted == 0 < stat.last_summary.slot_steps_wasted
+
+
+def test_contiguous_layout_matches_paged(tiny_folder):
+    rng = np.random.default_rng(6)
+    ps = prompts(5, rng)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    paged = make_llm(tiny_folder).generate(ps, params)
+    contiguous = LLM(model=str(tiny_folder), progress=False, kv_cache_layout="contiguous",
+                     max_model_len=64, kv_cache_memory=1 << 20)
+    assert contiguous.engine.block_size == 64
+    out = contiguous.generate(ps, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in paged]
+
+
+def test_engine_config_errors(tiny_folder):
+    with pytest.raises(ValueError, match="block_size=0"):
+        LLMEngine(model=str(tiny_folder), block_size=0, progress=False)
+    with pytest.raises(ValueError, match="batching='dynamic'"):
+        LLMEngine(model=str(tiny_folder), batching="dynamic", progress=False)
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):
+        LLMEngine(model=str(tiny_folder), max_model_len=4096, progress=False)
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        LLMEngine(model=str(tiny_folder), kv_cache_memory=10, progress=False)
