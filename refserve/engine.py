@@ -148,8 +148,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         self.kv_blocks_peak = 0
-        self.time_in_forward = 0.0
-        self.time_in_step = 0.0
+        self.time_in_step = 0.0  # seconds inside step(); runner.time_in_forward is the model
         if progress:
             tokens = num_blocks * self.block_size
             print(f"refserve: {config.backend}→{self.backend.name} backend, model "
@@ -247,7 +246,6 @@ class LLMEngine:
         if not out.scheduled:
             return []
         entries = self.runner.entries_for(out, self.kv_cache_manager)
-        t_fwd = time.perf_counter()
         try:
             logits = self.runner.execute(entries, out.block_copies)
         except Exception as e:
@@ -256,7 +254,6 @@ class LLMEngine:
                 f"step {out.step} failed in the model forward for request(s) {ids}: {e!r}. "
                 "The KV pool is consistent; call step() again or abort these requests.",
                 ids) from e
-        self.time_in_forward += time.perf_counter() - t_fwd
         sampled, sampled_seqs = self._sample(out, logits)
         self.scheduler.update(out, sampled)  # retired sequences' blocks are freed here
         touched = self._postprocess(sampled_seqs, time.perf_counter())
@@ -350,7 +347,7 @@ class LLMEngine:
             "kv_blocks_total": kv.num_blocks,
             "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
-            "time_in_forward": self.time_in_forward,
+            "time_in_forward": self.runner.time_in_forward,
             "time_in_step": self.time_in_step,
         }
 

@@ -15,6 +15,7 @@ integer arrays (see docs/architecture.md, "Attention metadata").
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +91,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches = backend.allocate_kv_cache(
             c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.time_in_forward = 0.0  # seconds inside model.forward (the rest is overhead)
 
     def entries_for(self, scheduler_output, kv_cache_manager) -> list[BatchEntry]:
         entries = []
@@ -122,6 +124,9 @@ class ModelRunner:
         attn = AttentionMetadata(*(to_dev(a) for a in (
             inputs.attn.slot_mapping, inputs.attn.block_tables, inputs.attn.context_lens,
             inputs.attn.query_start_loc)))
+        t0 = time.perf_counter()
         logits = self.model.forward(to_dev(inputs.input_ids), to_dev(inputs.positions), attn,
                                     self.kv_caches, to_dev(inputs.logits_indices))
-        return self.backend.to_numpy(logits)
+        logits = self.backend.to_numpy(logits)
+        self.time_in_forward += time.perf_counter() - t0
+        return logits

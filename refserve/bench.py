@@ -1,0 +1,305 @@
+"""`python -m refserve.bench <scenario>`: measurements, side by side, in one run.
+
+Scenarios
+    batching   continuous vs static batching vs transformers' batched generate on a
+               long-tailed, decode-heavy workload; plus the scheduling overhead at 32 running
+    paged      paged vs contiguous KV cache on the same workload (the cost of the gather)
+
+Every number printed comes from this run on this machine; ratios are only quoted between
+systems measured in the same run. `--quick` shrinks the workload for CI; `--json` writes
+all numbers; `--plot` draws them (matplotlib PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from refserve.sampling import SamplingParams
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_range=(16, 128),
+                  mean_output=120, output_range=(16, 512)) -> Workload:
+    """Chat-like traffic: short prompts, long-tailed outputs.
+
+    Output lengths are lognormal with mean `mean_output` (sigma 0.8, so the median is about
+    0.73 x the mean and a few requests run 3-4x longer), clipped to `output_range`. Prompt
+    tokens are drawn from the ordinary part of the vocabulary (ids >= 1000, skipping the
+    special tokens)."""
+    rng = np.random.default_rng(seed)
+    sigma = 0.8
+    mu = np.log(mean_output) - sigma**2 / 2          # E[lognormal] = exp(mu + sigma²/2)
+    lens = np.clip(np.round(rng.lognormal(mu, sigma, num_requests)), *output_range)
+    prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)
+    prompts = [rng.integers(1000, vocab_size, size=int(n)).tolist() for n in prompt_lens]
+    return Workload(prompts, [int(x) for x in lens])
+
+
+def run_refserve(llm, workload: Workload, label: str) -> dict:
+    engine = llm.engine
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in workload.output_lens]
+    before = engine.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(workload.prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t0
+    after = engine.stats()
+    s = llm.last_summary
+    steps = after["num_steps"] - before["num_steps"]
+    in_step = after["time_in_step"] - before["time_in_step"]
+    in_fwd = after["time_in_forward"] - before["time_in_forward"]
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == workload.useful_tokens, (produced, workload.useful_tokens)
+    return {
+        "system": label, "elapsed_s": elapsed, "useful_tokens": produced,
+        "tokens_per_s": produced / elapsed, "steps": steps,
+        "slot_steps_used": s.slot_steps_used, "slot_steps_wasted": s.slot_steps_wasted,
+        "ttft_p50_ms": _ms(s.ttft_p50), "ttft_p99_ms": _ms(s.ttft_p99),
+        "tpot_p50_ms": _ms(s.tpot_p50), "tpot_p99_ms": _ms(s.tpot_p99),
+        "preemptions": s.num_preemptions,
+        "outside_forward_ms_per_step": 1000 * (in_step - in_fwd) / max(steps, 1),
+        "outside_forward_fraction": (in_step - in_fwd) / in_step if in_step else 0.0,
+        "outputs": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def run_transformers(model_dir: Path, workload: Workload, batch_size: int) -> dict:
+    """transformers' batched generate: request-level batching as its users run it. Batches of
+    `batch_size` in arrival order, left-padded, greedy, each batch decoding until its longest
+    request is done (EOS disabled, as in the other systems)."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    n = len(workload.prompts)
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    ttft_proxy = []
+    t0 = time.perf_counter()
+    steps = used = wasted = 0
+    for start in tqdm(range(0, n, batch_size), desc="transformers", unit="batch"):
+        idx = list(range(start, min(start + batch_size, n)))
+        prompts = [workload.prompts[i] for i in idx]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(idx), width), dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        new = max(workload.output_lens[i] for i in idx)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+        for row, i in enumerate(idx):
+            outputs[i] = out[row, width:width + workload.output_lens[i]].tolist()
+            ttft_proxy.append(time.perf_counter() - t0)
+        steps += new
+        used += sum(workload.output_lens[i] for i in idx)
+        wasted += new * len(idx) - sum(workload.output_lens[i] for i in idx)
+    elapsed = time.perf_counter() - t0
+    return {"system": "transformers generate", "elapsed_s": elapsed,
+            "useful_tokens": workload.useful_tokens,
+            "tokens_per_s": workload.useful_tokens / elapsed, "steps": steps,
+            "slot_steps_used": used, "slot_steps_wasted": wasted, "outputs": outputs}
+
+
+def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
+    """Scheduling + batch preparation + sampling time per decode step with `running`
+    sequences in the batch (everything in step() that is not model.forward)."""
+    engine = llm.engine
+    wl = make_workload(running, seed=1, vocab_size=vocab_size, prompt_range=(32, 64))
+    for p in wl.prompts:
+        engine.add_request(None, p, SamplingParams(max_tokens=steps + 1, temperature=0.0,
+                                                   ignore_eos=True))
+    # Prefill first, then time pure decode steps.
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
+            or engine.scheduler.num_waiting:
+        engine.step()
+    s0, f0 = engine.time_in_step, engine.runner.time_in_forward
+    for _ in range(steps):
+        engine.step()
+    in_step = engine.time_in_step - s0
+    in_fwd = engine.runner.time_in_forward - f0
+    while engine.has_unfinished():
+        engine.step()
+    return {"running": running, "steps": steps, "step_ms": 1000 * in_step / steps,
+            "forward_ms": 1000 * in_fwd / steps,
+            "outside_forward_ms": 1000 * (in_step - in_fwd) / steps,
+            "outside_forward_fraction": (in_step - in_fwd) / in_step}
+
+
+def _ms(x):
+    return None if x is None else 1000 * x
+
+
+def machine() -> str:
+    import os
+    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, " \
+           f"numpy {np.__version__}"
+
+
+def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
+    widths = [max(len(h), 10) for _, h, _ in cols]
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths)))
+    for r in rows:
+        cells = []
+        for (key, _, fmt), w in zip(cols, widths):
+            v = r.get(key)
+            cells.append(("-" if v is None else format(v, fmt)).rjust(w))
+        print("  ".join(cells))
+
+
+BATCH_COLS = [("system", "system", ""), ("tokens_per_s", "tok/s", ".1f"),
+              ("elapsed_s", "seconds", ".1f"), ("steps", "steps", "d"),
+              ("slot_steps_used", "slot used", "d"), ("slot_steps_wasted", "slot wasted", "d"),
+              ("ttft_p50_ms", "TTFT p50 ms", ".0f"), ("ttft_p99_ms", "TTFT p99 ms", ".0f"),
+              ("tpot_p50_ms", "TPOT p50 ms", ".1f"), ("tpot_p99_ms", "TPOT p99 ms", ".1f"),
+              ("outside_forward_ms_per_step", "non-fwd ms/step", ".2f")]
+
+
+def bench_batching(args) -> dict:
+    from refserve.engine import LLM
+
+    common = dict(model=args.model, max_num_seqs=args.max_running, progress=False,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    cont = LLM(**common)
+    vocab = cont.engine.model.config.vocab_size
+    wl = make_workload(args.num_requests, args.seed, vocab, mean_output=args.mean_output)
+    print(f"workload: {len(wl.prompts)} requests, prompts {min(map(len, wl.prompts))}-"
+          f"{max(map(len, wl.prompts))} tokens, outputs {min(wl.output_lens)}-"
+          f"{max(wl.output_lens)} (mean {np.mean(wl.output_lens):.0f}), greedy, ignore_eos, "
+          f"max {args.max_running} running", flush=True)
+    rows = [run_refserve(cont, wl, "refserve continuous")]
+    static = LLM(batching="static", **common)
+    rows.append(run_refserve(static, wl, "refserve static"))
+    assert rows[1]["outputs"] == rows[0]["outputs"], "static and continuous outputs differ"
+    if not args.no_hf:
+        rows.append(run_transformers(cont.engine.model_path, wl, args.max_running))
+        same = sum(a == b for a, b in zip(rows[2]["outputs"], rows[0]["outputs"]))
+        rows[2]["same_outputs_as_refserve"] = same
+    overhead = overhead_at(cont, args.overhead_running, args.overhead_steps, vocab)
+    result = {"scenario": "batching", "machine": machine(), "command": " ".join(sys.argv),
+              "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+              "overhead": overhead}
+    print()
+    print_table(result["rows"], BATCH_COLS)
+    base = rows[0]["tokens_per_s"]
+    for r in rows[1:]:
+        print(f"continuous / {r['system']}: {base / r['tokens_per_s']:.2f}x useful tokens/s")
+    if not args.no_hf:
+        print(f"transformers greedy outputs identical to refserve's for "
+              f"{rows[2]['same_outputs_as_refserve']}/{len(wl.prompts)} requests")
+    print(f"overhead at {overhead['running']} running: step {overhead['step_ms']:.1f} ms, "
+          f"forward {overhead['forward_ms']:.1f} ms, outside the forward "
+          f"{overhead['outside_forward_ms']:.2f} ms ({overhead['outside_forward_fraction']:.1%})")
+    if args.plot:
+        plot_batching(result, args.plot)
+    return result
+
+
+def bench_paged(args) -> dict:
+    from refserve.engine import LLM
+
+    max_len = 1024
+    common = dict(model=args.model, max_num_seqs=args.max_running, progress=False,
+                  max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens)
+    paged = LLM(**common)
+    vocab = paged.engine.model.config.vocab_size
+    wl = make_workload(args.num_requests, args.seed, vocab, mean_output=args.mean_output)
+    rows = [run_refserve(paged, wl, "paged (block 16)")]
+    contiguous = LLM(kv_cache_layout="contiguous", **common)
+    rows.append(run_refserve(contiguous, wl, f"contiguous ({max_len} slots/seq)"))
+    assert rows[0]["outputs"] == rows[1]["outputs"], "paged and contiguous outputs differ"
+    for r, llm in zip(rows, (paged, contiguous)):
+        r["forward_s"] = llm.engine.runner.time_in_forward
+    result = {"scenario": "paged", "machine": machine(), "command": " ".join(sys.argv),
+              "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
+    print()
+    print_table(result["rows"], BATCH_COLS)
+    print(f"paged / contiguous wall time: {rows[0]['elapsed_s'] / rows[1]['elapsed_s']:.3f}x; "
+          f"model forward: {rows[0]['forward_s'] / rows[1]['forward_s']:.3f}x")
+    return result
+
+
+def plot_batching(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [r["system"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar(names, [r["tokens_per_s"] for r in rows], color=["tab:green", "tab:orange",
+                                                           "tab:gray"][:len(rows)])
+    a.set_ylabel("useful output tokens / s")
+    a.set_title("Throughput")
+    used = [r["slot_steps_used"] for r in rows]
+    wasted = [r["slot_steps_wasted"] for r in rows]
+    b.bar(names, used, label="used")
+    b.bar(names, wasted, bottom=used, label="wasted (padding)")
+    b.set_ylabel("slot-steps")
+    b.set_title("Slot-steps: one batch seat for one step")
+    b.legend()
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelrotation=15)
+    fig.suptitle(result["machine"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m refserve.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scenario", choices=["batching", "paged"])
+    p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--mean-output", type=int, default=120)
+    p.add_argument("--max-running", type=int, default=16, help="max_num_seqs / HF batch size")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--overhead-running", type=int, default=32)
+    p.add_argument("--overhead-steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--quick", action="store_true", help="a small workload (CI smoke run)")
+    p.add_argument("--json", type=Path, help="write all numbers here")
+    p.add_argument("--plot", type=Path, help="write a PNG chart here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.mean_output, args.max_running = 8, 24, 4
+        args.overhead_running, args.overhead_steps = 8, 4
+    for name in ("num_requests", "mean_output", "max_running", "overhead_running",
+                 "overhead_steps", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    print(f"machine: {machine()}", flush=True)
+    result = bench_batching(args) if args.scenario == "batching" else bench_paged(args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"numbers written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
