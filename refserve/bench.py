@@ -74,6 +74,9 @@ def run_refserve(llm, workload: Workload, label: str) -> dict:
         "ttft_p50_ms": _ms(s.ttft_p50), "ttft_p99_ms": _ms(s.ttft_p99),
         "tpot_p50_ms": _ms(s.tpot_p50), "tpot_p99_ms": _ms(s.tpot_p99),
         "preemptions": s.num_preemptions,
+        # Slots the KV pool had handed out at its fullest: paged blocks follow the tokens,
+        # the contiguous layout reserves max_model_len per sequence.
+        "kv_slots_peak": s.kv_blocks_peak * engine.block_size,
         "outside_forward_ms_per_step": 1000 * (in_step - in_fwd) / max(steps, 1),
         "outside_forward_fraction": (in_step - in_fwd) / in_step if in_step else 0.0,
         "outputs": [o.outputs[0].token_ids for o in outs],
@@ -174,7 +177,8 @@ BATCH_COLS = [("system", "system", ""), ("tokens_per_s", "tok/s", ".1f"),
               ("slot_steps_used", "slot used", "d"), ("slot_steps_wasted", "slot wasted", "d"),
               ("ttft_p50_ms", "TTFT p50 ms", ".0f"), ("ttft_p99_ms", "TTFT p99 ms", ".0f"),
               ("tpot_p50_ms", "TPOT p50 ms", ".1f"), ("tpot_p99_ms", "TPOT p99 ms", ".1f"),
-              ("outside_forward_ms_per_step", "non-fwd ms/step", ".2f")]
+              ("outside_forward_ms_per_step", "non-fwd ms/step", ".2f"),
+              ("kv_slots_peak", "KV slots peak", "d")]
 
 
 def bench_batching(args) -> dict:
