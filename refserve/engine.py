@@ -244,6 +244,13 @@ class LLMEngine:
         t_step = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if self.scheduler.has_unfinished():
+                # Cannot happen while add_request keeps every prompt within the pool; fail
+                # loudly rather than let a caller's `while has_unfinished()` spin forever.
+                raise RuntimeError(
+                    f"the scheduler could schedule nothing with {self.scheduler.num_waiting} "
+                    f"waiting and {self.scheduler.num_running} running sequences "
+                    f"({self.kv_cache_manager.num_free_blocks} free blocks)")
             return []
         entries = self.runner.entries_for(out, self.kv_cache_manager)
         try:
