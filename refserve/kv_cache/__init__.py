@@ -4,12 +4,27 @@
     BlockTable       one sequence's logical -> physical block map, slot arithmetic
     PrefixCache      hash chain of full blocks, so equal prefixes share blocks
     KVCacheManager   what the scheduler talks to (allocate, copy-on-write, fork, free)
+
+The names are imported on first use rather than here, so that each module's demo
+(`python -m refserve.kv_cache.block_table`, ...) runs without the package having imported
+that very module first.
 """
 
-from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
-from refserve.kv_cache.block_table import BlockTable
-from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.kv_cache.prefix_cache import BlockKey, PrefixCache
+import importlib
 
-__all__ = ["BlockAllocator", "BlockKey", "BlockTable", "KVCacheManager", "NoFreeBlocksError",
-           "PrefixCache"]
+_WHERE = {
+    "BlockAllocator": "block_allocator",
+    "NoFreeBlocksError": "block_allocator",
+    "BlockTable": "block_table",
+    "KVCacheManager": "kv_cache_manager",
+    "BlockKey": "prefix_cache",
+    "PrefixCache": "prefix_cache",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"refserve.kv_cache.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'refserve.kv_cache' has no attribute {name!r}")
