@@ -123,18 +123,28 @@ class LLMEngine:
         bytes_per_token = capacity.kv_bytes_per_token(
             mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, 4)
         bytes_per_block = capacity.kv_bytes_per_block(bytes_per_token, self.block_size)
+        free_device = self.backend.free_device_memory()
         if config.num_gpu_blocks is not None:
             num_blocks = config.num_gpu_blocks
         else:
-            num_blocks = config.kv_cache_memory // bytes_per_block
+            if free_device is not None:
+                # GPU: the weights are already on the device, so what is free is what the KV
+                # pool may take, times the headroom factor gpu_memory_utilization.
+                budget, knob = int(free_device * config.gpu_memory_utilization), (
+                    f"gpu_memory_utilization={config.gpu_memory_utilization} of "
+                    f"{free_device} free bytes")
+            else:
+                budget = config.kv_cache_memory
+                knob = f"kv_cache_memory={budget} bytes"
+            num_blocks = budget // bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(
+                    f"{knob} is smaller than one KV block ({bytes_per_block} bytes = "
+                    f"{self.block_size} tokens × {bytes_per_token} bytes); give the KV cache "
+                    "more memory or lower block_size / max_model_len")
             # More blocks than max_num_seqs full-length sequences can use is wasted memory.
             num_blocks = min(num_blocks, config.max_num_seqs * capacity.blocks_for_tokens(
                 self.max_model_len, self.block_size))
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory} bytes is smaller than one KV block "
-                f"({bytes_per_block} bytes = {self.block_size} tokens × {bytes_per_token} "
-                "bytes); raise kv_cache_memory or lower block_size / max_model_len")
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size,

@@ -249,3 +249,23 @@ def test_engine_config_errors(tiny_folder):
         LLMEngine(model=str(tiny_folder), max_model_len=4096, progress=False)
     with pytest.raises(ValueError, match="smaller than one KV block"):
         LLMEngine(model=str(tiny_folder), kv_cache_memory=10, progress=False)
+
+
+def test_gpu_pool_sized_from_free_memory(tiny_folder, monkeypatch):
+    """A backend that reports free device memory gets free × gpu_memory_utilization."""
+    import refserve.engine as engine_module
+    from refserve.backends.numpy_backend import NumpyBackend
+
+    class FakeDevice(NumpyBackend):
+        def free_device_memory(self):
+            return 1_000_000
+
+    monkeypatch.setattr(engine_module, "get_backend", lambda name: FakeDevice())
+    engine = LLMEngine(model=str(tiny_folder), block_size=4, gpu_memory_utilization=0.5,
+                       progress=False)
+    bytes_per_block = 4 * (2 * 2 * 2 * 12 * 4)   # block_size × 2·layers·kv_heads·head_dim·4
+    assert engine.num_blocks == 500_000 // bytes_per_block
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.5 of 100 free bytes"):
+        monkeypatch.setattr(FakeDevice, "free_device_memory", lambda self: 100)
+        LLMEngine(model=str(tiny_folder), block_size=4, gpu_memory_utilization=0.5,
+                  progress=False)

@@ -28,11 +28,20 @@ def test_engine_greedy_equals_transformers_with_chunking_and_preemption(
     # prompt longer than that.
     llm = LLM(model=str(smollm2_dir), progress=False, num_gpu_blocks=36,
               max_num_batched_tokens=48, max_num_seqs=8)
+    kinds = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        kinds.extend(row.kind for row in out.scheduled)
+        return out
+
+    llm.engine.scheduler.schedule = recording_schedule
     outs = llm.generate(ids, SamplingParams(max_tokens=n_new, temperature=0.0,
                                             ignore_eos=True))
     summary = llm.last_summary
     assert summary.num_preemptions > 0, "the tiny pool should have forced a preemption"
-    assert any(len(i) > 48 for i in ids), "some prompt must need chunked prefill"
+    assert kinds.count("chunk") >= 3, "long prompts should have been prefilled in chunks"
     for prompt_ids, out in zip(ids, outs):
         assert out.outputs[0].token_ids == hf_greedy_fn(hf_smollm2, prompt_ids, n_new), \
             hf_tokenizer.decode(prompt_ids)[:40]

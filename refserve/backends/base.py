@@ -61,6 +61,12 @@ class Backend(abc.ABC):
     def to_numpy(self, array: Array) -> np.ndarray:
         """Return `array` as a host `numpy.ndarray` (identity in the NumPy backend)."""
 
+    def free_device_memory(self) -> int | None:
+        """Bytes of device memory still free (after the weights are loaded), from which the
+        engine sizes the KV pool as free × gpu_memory_utilization. None means the cache lives
+        in host memory, sized from `EngineConfig.kv_cache_memory` instead (NumPy)."""
+        return None
+
     def allocate_kv_cache(
         self,
         num_layers: int,
