@@ -202,7 +202,7 @@ def bench_batching(args) -> dict:
         same = sum(a == b for a, b in zip(rows[2]["outputs"], rows[0]["outputs"]))
         rows[2]["same_outputs_as_refserve"] = same
     overhead = overhead_at(cont, args.overhead_running, args.overhead_steps, vocab)
-    result = {"scenario": "batching", "machine": machine(), "command": " ".join(sys.argv),
+    result = {"scenario": "batching", "machine": machine(), "command": args.command,
               "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
               "overhead": overhead}
     print()
@@ -236,7 +236,7 @@ def bench_paged(args) -> dict:
     assert rows[0]["outputs"] == rows[1]["outputs"], "paged and contiguous outputs differ"
     for r, llm in zip(rows, (paged, contiguous)):
         r["forward_s"] = llm.engine.runner.time_in_forward
-    result = {"scenario": "paged", "machine": machine(), "command": " ".join(sys.argv),
+    result = {"scenario": "paged", "machine": machine(), "command": args.command,
               "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
     print()
     print_table(result["rows"], BATCH_COLS)
@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write all numbers here")
     p.add_argument("--plot", type=Path, help="write a PNG chart here")
     args = p.parse_args(argv)
+    args.command = "python -m refserve.bench " + " ".join(
+        sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.num_requests, args.mean_output, args.max_running = 8, 24, 4
         args.overhead_running, args.overhead_steps = 8, 4
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                  "overhead_steps", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    print(f"machine: {machine()}", flush=True)
+    print(f"machine: {machine()}\ncommand: {args.command}", flush=True)
     result = bench_batching(args) if args.scenario == "batching" else bench_paged(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
