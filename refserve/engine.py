@@ -207,6 +207,9 @@ class LLMEngine:
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
                              f"{self.max_model_len}")
+        if sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={sampling_params.n} is more than "
+                             f"max_num_seqs={self.config.max_num_seqs} batch seats")
         need = capacity.blocks_for_tokens(len(token_ids) + 1, self.block_size)
         if need > self.num_blocks:
             raise ValueError(f"prompt has {len(token_ids)} tokens and needs {need} KV blocks, "
@@ -230,8 +233,8 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, sampling_params, now)
         req.seqs.append(seq)
         req.generators[seq.seq_id] = make_generator(sampling_params.seed, 0)
+        self.scheduler.add_sequence(seq)  # may still refuse it: then nothing is registered
         self.requests[request_id] = req
-        self.scheduler.add_sequence(seq)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -265,13 +268,15 @@ class LLMEngine:
         entries = self.runner.entries_for(out, self.kv_cache_manager)
         try:
             logits = self.runner.execute(entries, out.block_copies)
+            sampled, sampled_seqs = self._sample(out, logits)
         except Exception as e:
+            # Nothing of this step has been applied (update() was not called): the scheduler
+            # treats the step as abandoned and the next schedule() redoes the same work.
             ids = sorted({s.seq.request_id for s in out.scheduled})
             raise EngineStepError(
-                f"step {out.step} failed in the model forward for request(s) {ids}: {e!r}. "
-                "The KV pool is consistent; call step() again or abort these requests.",
-                ids) from e
-        sampled, sampled_seqs = self._sample(out, logits)
+                f"step {out.step} failed in the model forward or sampling for request(s) "
+                f"{ids}: {e!r}. The KV pool is consistent; call step() again or abort "
+                "these requests.", ids) from e
         self.scheduler.update(out, sampled)  # retired sequences' blocks are freed here
         touched = self._postprocess(sampled_seqs, time.perf_counter())
         self.kv_blocks_peak = max(self.kv_blocks_peak, self.kv_cache_manager.num_blocks

@@ -131,6 +131,9 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
     small_pool = make_llm(tiny_folder, num_gpu_blocks=4, max_model_len=64).engine
     with pytest.raises(ValueError, match="more than the whole KV pool"):
         small_pool.add_request(None, list(range(3, 30)), good)
+    with pytest.raises(ValueError, match=r"SamplingParams\.n=9 is more than max_num_seqs"):
+        make_llm(tiny_folder, max_num_seqs=8).engine.add_request(
+            None, [5, 6], SamplingParams(n=9))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok-1", [5], good)
     with pytest.raises(ValueError, match="prompt 1: .*unknown token id"):
