@@ -264,7 +264,7 @@ def plot_batching(result: dict, path: Path) -> None:
     b.bar(names, wasted, bottom=used, label="wasted (padding)")
     b.set_ylabel("slot-steps")
     b.set_title("Slot-steps: one batch seat for one step")
-    b.legend()
+    b.legend(loc="upper left", fontsize=8)  # over the short continuous bar, clear of the rest
     for ax in (a, b):
         ax.tick_params(axis="x", labelrotation=15)
     fig.suptitle(result["machine"], fontsize=8)
