@@ -91,13 +91,11 @@ def run_transformers(model_dir: Path, workload: Workload, batch_size: int) -> di
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None
     n = len(workload.prompts)
     outputs: list[list[int]] = [[] for _ in range(n)]
-    ttft_proxy = []
     t0 = time.perf_counter()
     steps = used = wasted = 0
     for start in tqdm(range(0, n, batch_size), desc="transformers", unit="batch"):
@@ -115,7 +113,6 @@ def run_transformers(model_dir: Path, workload: Workload, batch_size: int) -> di
                                  do_sample=False, pad_token_id=0)
         for row, i in enumerate(idx):
             outputs[i] = out[row, width:width + workload.output_lens[i]].tolist()
-            ttft_proxy.append(time.perf_counter() - t0)
         steps += new
         used += sum(workload.output_lens[i] for i in idx)
         wasted += new * len(idx) - sum(workload.output_lens[i] for i in idx)

@@ -204,17 +204,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids contains {len(bad)} unknown token id(s), "
                              f"e.g. {bad[0]!r}; valid ids are 0..{vocab - 1}")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
-                             f"{self.max_model_len}")
-        if sampling_params.n > self.config.max_num_seqs:
-            raise ValueError(f"SamplingParams.n={sampling_params.n} is more than "
-                             f"max_num_seqs={self.config.max_num_seqs} batch seats")
-        need = capacity.blocks_for_tokens(len(token_ids) + 1, self.block_size)
-        if need > self.num_blocks:
-            raise ValueError(f"prompt has {len(token_ids)} tokens and needs {need} KV blocks, "
-                             f"more than the whole KV pool ({self.num_blocks} blocks of "
-                             f"{self.block_size}); raise kv_cache_memory / num_gpu_blocks")
+        self.scheduler.check_fits(len(token_ids), sampling_params.n)
         return [int(t) for t in token_ids]
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
@@ -233,7 +223,7 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, sampling_params, now)
         req.seqs.append(seq)
         req.generators[seq.seq_id] = make_generator(sampling_params.seed, 0)
-        self.scheduler.add_sequence(seq)  # may still refuse it: then nothing is registered
+        self.scheduler.add_sequence(seq)
         self.requests[request_id] = req
         return request_id
 
@@ -244,8 +234,7 @@ class LLMEngine:
             return False
         for seq in req.seqs:
             if not seq.is_finished:
-                self.scheduler.abort(seq.seq_id)
-            seq.status = SequenceStatus.FINISHED_ABORTED if not seq.is_finished else seq.status
+                self.scheduler.abort(seq.seq_id)  # frees its blocks, marks it aborted
         del self.requests[request_id]
         return True
 
@@ -265,7 +254,7 @@ class LLMEngine:
                     f"waiting and {self.scheduler.num_running} running sequences "
                     f"({self.kv_cache_manager.num_free_blocks} free blocks)")
             return []
-        entries = self.runner.entries_for(out, self.kv_cache_manager)
+        entries = self.runner.entries_for(out)
         try:
             logits = self.runner.execute(entries, out.block_copies)
             sampled, sampled_seqs = self._sample(out, logits)

@@ -93,7 +93,7 @@ class ModelRunner:
             c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.time_in_forward = 0.0  # seconds inside model.forward (the rest is overhead)
 
-    def entries_for(self, scheduler_output, kv_cache_manager) -> list[BatchEntry]:
+    def entries_for(self, scheduler_output) -> list[BatchEntry]:
         entries = []
         for s in scheduler_output.scheduled:
             seq = s.seq
@@ -101,13 +101,11 @@ class ModelRunner:
                 # Static batching: a finished sequence still occupies its slot. Recompute its
                 # last cached token (real work, nothing written, result thrown away).
                 p = seq.num_computed_tokens - 1
-                entries.append(BatchEntry([seq.token_ids[p]], p,
-                                          kv_cache_manager.get_block_ids(seq.seq_id),
+                entries.append(BatchEntry([seq.token_ids[p]], p, s.block_ids,
                                           write_kv=False, samples=False))
             else:
                 entries.append(BatchEntry(seq.token_ids[s.start:s.start + s.num_tokens],
-                                          s.start, kv_cache_manager.get_block_ids(seq.seq_id),
-                                          samples=s.samples))
+                                          s.start, s.block_ids, samples=s.samples))
         return entries
 
     def execute(self, entries: list[BatchEntry], block_copies=()) -> np.ndarray:

@@ -58,7 +58,8 @@ class ScheduledSequence:
     is_padding  static batching only: a finished sequence that still holds its seat. The
                 runner recomputes position start == num_computed_tokens - 1 and writes its
                 K/V nowhere (slot -1); nothing is sampled.
-    block_ids   the sequence's block table right after scheduling (a copy, for printing).
+    block_ids   the sequence's block table for this step (a copy: what the runner sends to
+                the attention kernel, and what the printout shows).
     """
 
     seq: Sequence
@@ -208,21 +209,30 @@ class _SchedulerBase:
             raise ValueError(f"sequence {seq.seq_id} is already scheduled")
         if seq.status is not SequenceStatus.WAITING:
             raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}, not waiting")
-        if seq.num_tokens == 0:
-            raise ValueError(f"sequence {seq.seq_id}: the prompt is empty")
-        if seq.num_tokens > self.max_model_len:
-            raise ValueError(f"sequence {seq.seq_id}: {seq.num_tokens} prompt tokens exceed "
-                             f"max_model_len={self.max_model_len}")
-        needed = self._blocks_needed(seq.num_tokens + 1)
-        if needed > self.kv_cache_manager.num_blocks:
-            raise ValueError(f"sequence {seq.seq_id}: {seq.num_tokens} prompt tokens need "
-                             f"{needed} KV blocks to decode, the whole pool has "
-                             f"{self.kv_cache_manager.num_blocks}")
-        if seq.num_seats > self.max_num_seqs:
-            raise ValueError(f"sequence {seq.seq_id}: n={seq.num_seats} parallel samples need "
-                             f"more seats than max_num_seqs={self.max_num_seqs}")
+        self.check_fits(seq.num_tokens, seq.num_seats)
         self._by_id[seq.seq_id] = seq
         self.waiting.append(seq)
+
+    def check_fits(self, num_prompt_tokens: int, num_seats: int = 1) -> None:
+        """Raise ValueError if a prompt could never run: empty, longer than max_model_len,
+        more blocks than the whole pool (prompt + the first sampled token), or more seats
+        (SamplingParams.n) than max_num_seqs. Changes nothing; the engine calls it to vet a
+        request before queuing anything."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        needed = self._blocks_needed(num_prompt_tokens + 1)
+        if needed > self.kv_cache_manager.num_blocks:
+            kv = self.kv_cache_manager
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens and needs {needed} KV "
+                             f"blocks, more than the whole KV pool: the whole pool is "
+                             f"{kv.num_blocks} blocks of {kv.block_size} tokens; give it more "
+                             "memory (kv_cache_memory / num_gpu_blocks)")
+        if num_seats > self.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={num_seats} is more than max_num_seqs="
+                             f"{self.max_num_seqs} batch seats")
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Stop a waiting, preempted or running sequence now; its blocks are freed at once.

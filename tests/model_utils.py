@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from refserve.backends.numpy_backend import NumpyBackend
-from refserve.model_runner import BatchEntry, ModelRunner
+from refserve.model_runner import BatchEntry, ModelRunner, prepare_inputs
 
 
 def save_tiny_hf_model(tmp_path, model_type="llama", tie=True, num_kv_heads=2, bias=None,
@@ -60,9 +60,7 @@ def prefill_logits(model, token_ids, block_size=16, chunk=None, block_ids=None):
     rows = []
     for start in range(0, n, chunk):
         piece = token_ids[start:start + chunk]
-        entry = BatchEntry(piece, start, block_ids)
-        from refserve.model_runner import prepare_inputs
-        inp = prepare_inputs([entry], block_size)
+        inp = prepare_inputs([BatchEntry(piece, start, block_ids)], block_size)
         rows.append(model.forward(inp.input_ids, inp.positions, inp.attn, runner.kv_caches,
                                   None))
     return np.concatenate(rows), runner

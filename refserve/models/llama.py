@@ -148,7 +148,7 @@ class LlamaModel:
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], backend) -> None:
         self.config = config
         self.backend = backend
-        xp = self.xp = backend.xp
+        self.xp = backend.xp
         c = config
 
         def dev(a):
@@ -183,7 +183,6 @@ class LlamaModel:
         self.rope_sin = dev(np.sin(angles))
         self.scale = np.float32(1.0 / np.sqrt(c.head_dim))  # np.float32: never promote
         self.eps = np.float32(c.rms_norm_eps)
-        del xp
 
     # ------------------------------------------------------------------ building blocks
     def rms_norm(self, x, weight):
