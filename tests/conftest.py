@@ -4,6 +4,10 @@
 import numpy as np
 import pytest
 
+# The grader: mechanism markers for every test (`pytest -m scheduler`), and `pytest --grade`.
+# The test-module -> mechanism map lives in tests/grading.py (RULES).
+pytest_plugins = ["grading"]
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
