@@ -169,3 +169,47 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+    # ------------------------------------------------------ speculative decoding
+
+    def rejection_sample(
+        self,
+        draft_token_ids: Array,
+        draft_probs: Array | None,
+        target_probs: Array,
+        accept_uniforms: Array,
+        draw_uniforms: Array,
+    ) -> tuple[Array, Array]:
+        """The accept / residual-resample step of speculative decoding for B rows.
+
+        Shapes and dtypes (V = vocabulary size, k = max drafts per row):
+            draft_token_ids  [B, k]       int64    drafts x_i; -1 padding after a row's n_b
+            draft_probs      [B, k, V]    float32  warped q_i, or None: one-hot q (n-gram)
+            target_probs     [B, k+1, V]  float32  warped p_i; p_{n_b} is the bonus row
+            accept_uniforms  [B, k]       float64  u_i in [0, 1), one per draft position
+            draw_uniforms    [B]          float64  u in [0, 1), one per row
+            returns output_token_ids [B, k+1] int64 (-1 padded), num_accepted [B] int64
+
+        Contract (refserve/spec_decode/rejection_sampler.py states it in full), in float64:
+          * draft i of row b is accepted iff accept_uniforms[b, i] * q_i(x_i) < p_i(x_i)
+            (q_i(x_i) = 1 when draft_probs is None); num_accepted[b] is the length of the
+            leading run of accepted drafts; uniforms at or after the first rejection and
+            under padding are read by nobody.
+          * the row then emits one token at position j = num_accepted[b], drawn with
+            draw_uniforms[b] by inverse CDF from w = max(0, p_j - q_j) (recovered token;
+            w = p_j if that is all zero) or, if j == n_b, from w = p_j (bonus token):
+            token = min{t : c_t > u * c_{V-1}}, c = cumsum(w) in float64 in index order.
+        So backends given the same arrays emit the same tokens. This default runs the NumPy
+        reference on host copies; a GPU backend replaces it with a kernel.
+        """
+        from refserve.spec_decode.rejection_sampler import rejection_sample
+
+        host = self.to_numpy
+        output_token_ids, num_accepted = rejection_sample(
+            host(draft_token_ids),
+            None if draft_probs is None else host(draft_probs),
+            host(target_probs),
+            host(accept_uniforms),
+            host(draw_uniforms),
+        )
+        return self.to_device(output_token_ids), self.to_device(num_accepted)

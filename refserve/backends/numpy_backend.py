@@ -337,3 +337,21 @@ class NumpyBackend(Backend):
         # mode="clip" lets take write straight into `out` (the default mode="raise" gathers
         # into a temporary first); the ids were range-checked above, so nothing is clipped.
         return np.take(cache, table, axis=0, out=out, mode="clip")
+
+    # ------------------------------------------------------ speculative decoding
+
+    def rejection_sample(
+        self,
+        draft_token_ids: np.ndarray,
+        draft_probs: np.ndarray | None,
+        target_probs: np.ndarray,
+        accept_uniforms: np.ndarray,
+        draw_uniforms: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The reference itself (`refserve.spec_decode.rejection_sampler.rejection_sample`);
+        shapes, dtypes and how the uniforms are consumed: `Backend.rejection_sample`."""
+        from refserve.spec_decode.rejection_sampler import rejection_sample
+
+        return rejection_sample(
+            draft_token_ids, draft_probs, target_probs, accept_uniforms, draw_uniforms
+        )
