@@ -1,0 +1,106 @@
+"""Warping p and q (temperature, top-k, top-p) and the acceptance metrics."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refserve.spec_decode.metrics import SpecDecodeStats, expected_tokens_per_pass
+from refserve.spec_decode.warping import warp_probs, warp_target_and_draft
+
+
+def reference_row(logits, temperature, top_k, top_p):
+    """The rule for one row, written out by hand in float64 from the definitions."""
+    logits = np.asarray(logits, np.float64)
+    if temperature == 0:
+        out = np.zeros_like(logits)
+        out[np.argmax(logits)] = 1.0
+        return out
+    x = logits / temperature
+    if top_k != -1 and top_k < len(x):
+        kth = sorted(x, reverse=True)[top_k - 1]
+        x = np.where(x >= kth, x, -np.inf)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        keep, mass = np.zeros(len(p), bool), 0.0
+        for i in sorted(range(len(p)), key=lambda i: -p[i]):  # stable: ties by index
+            if mass >= top_p:
+                break
+            keep[i] = True
+            mass += p[i]
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from([-2.0, -1.0, 0.0, 0.0, 0.5, 1.0, 3.0]), min_size=5,
+                     max_size=5),
+            st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+            st.sampled_from([-1, 1, 2, 4, 5]),
+            st.sampled_from([1.0, 0.9, 0.5, 0.1]),
+        ),
+        min_size=1, max_size=6,
+    )
+)
+def test_batched_warp_equals_the_rule_row_by_row(rows):
+    """Ties in the logits (the repeated 0.0) exercise top-k's 'ties are kept' and top-p's
+    stable order; float32 output within float32 rounding of the float64 rule."""
+    logits = np.array([r[0] for r in rows], dtype=np.float32)
+    temperature = np.array([r[1] for r in rows])
+    top_k = np.array([r[2] for r in rows])
+    top_p = np.array([r[3] for r in rows])
+    probs = warp_probs(logits, temperature, top_k, top_p)
+    assert probs.dtype == np.float32
+    for i, (row_logits, t, k, p) in enumerate(rows):
+        expected = reference_row(np.float32(row_logits), t, k, p)
+        np.testing.assert_allclose(probs[i], expected, atol=2e-6)
+        assert ((probs[i] == 0) == (expected == 0)).all(), "support differs"
+
+
+def test_p_and_q_are_warped_with_the_same_request_settings():
+    rng = np.random.default_rng(0)
+    target_logits = rng.normal(size=(2, 3, 7)).astype(np.float32)
+    draft_logits = rng.normal(size=(2, 2, 7)).astype(np.float32)
+    # Only these three fields of SamplingParams are read (sampling.py is independent).
+    params = [SimpleNamespace(temperature=0.5, top_k=3, top_p=1.0),
+              SimpleNamespace(temperature=0.0, top_k=-1, top_p=1.0)]
+    p, q = warp_target_and_draft(target_logits, draft_logits, params)
+    assert p.shape == (2, 3, 7) and q.shape == (2, 2, 7)
+    for logits, probs in ((target_logits, p), (draft_logits, q)):
+        for pos in range(logits.shape[1]):
+            np.testing.assert_allclose(probs[0, pos], reference_row(logits[0, pos], 0.5, 3, 1.0),
+                                       atol=2e-6)
+            np.testing.assert_array_equal(probs[1, pos], reference_row(logits[1, pos], 0, -1, 1))
+    p_only, q_none = warp_target_and_draft(target_logits, None, params)
+    assert q_none is None
+    np.testing.assert_array_equal(p_only, p)
+    with pytest.raises(ValueError, match="one SamplingParams per row"):
+        warp_target_and_draft(target_logits, draft_logits, params[:1])
+
+
+def test_expected_tokens_per_pass():
+    assert expected_tokens_per_pass(0.0, 4) == 1.0
+    assert expected_tokens_per_pass(1.0, 4) == 5.0
+    assert expected_tokens_per_pass(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    with pytest.raises(ValueError, match="alpha"):
+        expected_tokens_per_pass(1.5, 2)
+
+
+def test_stats_counts():
+    stats = SpecDecodeStats()
+    assert stats.acceptance_rate is None and stats.mean_accepted_length is None
+    # Three verify steps (k = 4, 4, 2) and one plain decode (no drafts, not counted).
+    stats.add(np.array([4, 4, 2, 0]), np.array([4, 1, 0, 0]))
+    assert (stats.verify_steps, stats.proposed, stats.accepted, stats.rejections) == (3, 10, 5, 2)
+    assert stats.acceptance_rate == 0.5
+    assert stats.mean_accepted_length == pytest.approx(8 / 3)  # (5 accepted + 3) / 3 passes
+    assert stats.alpha_estimate == pytest.approx(5 / 7)  # 5 passed tests, 2 failed
+    with pytest.raises(ValueError, match="num_accepted"):
+        stats.add(np.array([1]), np.array([2]))
