@@ -116,6 +116,8 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_engine*.py", None, ("engine",)),
     ("test_generate_cli.py", None, ("cli",)),
     ("test_bench*.py", None, ("bench",)),
+    ("test_spec_warping.py", r"warp", ("spec_accept", "sampling")),
+    ("test_spec_warping.py", None, ("spec_e2e",)),
     # Modules other issues add; named by what they are about.
     ("test_*rejection*.py", None, ("spec_accept",)),
     ("test_*accept*.py", None, ("spec_accept",)),

@@ -186,6 +186,10 @@ def test_a_marker_written_in_the_test_file_wins_over_the_rules(pytester):
     ("test_ngram_proposer.py", "test_anything", ("spec_propose",)),
     ("test_spec_decode_engine.py", "test_anything", ("spec_e2e",)),
     ("test_cupy_backend.py", "test_anything", ("backend_equality",)),
+    ("test_spec_rejection_sampler.py", "test_anything", ("spec_accept",)),
+    ("test_spec_ngram.py", "test_anything", ("spec_propose",)),
+    ("test_spec_warping.py", "test_p_and_q_are_warped_with_the_same_request_settings",
+     ("spec_accept", "sampling")),
     ("test_unknown_thing.py", "test_anything", ()),
 ])
 def test_rules_map_the_course_modules(module, name, expected):
