@@ -1,0 +1,3 @@
+// Test-only stand-in for CUDA's <cuda_bf16.h>: the types live in cuda_sim.h.
+#pragma once
+#include "cuda_sim.h"
