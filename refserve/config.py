@@ -12,6 +12,10 @@
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
+| dtype | weights and KV cache: auto (float32 on NumPy), float32, float16, bfloat16 |
+
+Only the logits are upcast to float32, whatever the dtype. `BACKENDS` and `DTYPES` are the
+one list of each: `get_backend`, the CLIs and the validation here all read them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "numpy", "cupy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 BATCHING = ("continuous", "static")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
 
@@ -38,6 +43,7 @@ class EngineConfig:
     batching: str = "continuous"
     kv_cache_layout: str = "paged"
     speculative_config: dict | None = None
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -47,6 +53,8 @@ class EngineConfig:
 
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.batching not in BATCHING:
             raise ValueError(f"batching={self.batching!r}: choose one of {', '.join(BATCHING)}")
         if self.kv_cache_layout not in KV_CACHE_LAYOUTS:

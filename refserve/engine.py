@@ -102,7 +102,7 @@ def load_tokenizer(path: Path):
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, progress: bool = True,
                  **kwargs) -> None:
-        from refserve.models.llama import load_model
+        from refserve.models.loader import load_model
 
         self.config = config = config or EngineConfig(**kwargs)
         self.progress = progress

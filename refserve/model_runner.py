@@ -1,16 +1,27 @@
-"""From a scheduler decision to one model forward: flatten the batch into plain arrays.
+"""From a scheduler decision to logits: the runner's three stages of one engine step.
 
-`prepare_inputs` is the whole translation. For every scheduled sequence it appends the
-query tokens of this step to one flat batch and records where they go:
+    inputs = runner.prepare(out)            # host: flatten the rows into integer arrays
+    runner.copy_blocks(out.block_copies)    # device: copy-on-write, before anyone writes
+    logits = runner.forward(inputs)         # device: one model forward; logits to the host
 
-    positions     start, start+1, ..., start+q-1           (absolute positions)
-    slot_mapping  slot(p) = block_table[p // block_size] * block_size + p % block_size
-    context_lens  start + q                                 (keys visible after the writes)
-    query_start_loc  running sum of q                       (where each sequence's rows begin)
-    logits_indices   the last row of each sequence that samples a token
+`prepare` is the whole translation. Each row `s` of `out.scheduled` computes the query tokens
+`(seq.token_ids + seq.spec_token_ids)[s.start : s.start + s.num_tokens]`, and its last
+`s.num_logits` tokens need logits. Rows are laid out *decodes first* (q_len == 1, in
+scheduler order), then the others (prefill chunks, speculative verifies), and for each:
 
-No Python object crosses into the data plane: the model and a CUDA kernel see only these
-integer arrays (see docs/architecture.md, "Attention metadata").
+    positions        start, start+1, ..., start+q-1           (absolute positions)
+    slot_mapping     slot(p) = block_table[p // block_size] * block_size + p % block_size
+                     (kv_cache.block_table.slot_mapping; -1 for a padding row: write nothing)
+    context_lens     start + q                                 (keys visible after the writes)
+    query_start_loc  running sum of q                          (where each row's tokens begin)
+    block_tables     the row's block ids, padded with PAD_BLOCK (-1)
+    logits_indices   flat token index of every logits row, in `out.scheduled` order
+
+so `forward` returns the logits rows in scheduler order (row by row, each row's num_logits
+tokens in position order), whatever the internal order. The host scalars a kernel needs
+(max_query_len, max_context_len, num_decodes, ...) are computed here, once per step, into
+the one `AttentionMetadata` every layer receives. No Python object crosses into the data
+plane: the model sees only these arrays and scalars.
 """
 
 from __future__ import annotations
@@ -20,69 +31,82 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: np.ndarray     # [T] int64, -1 = do not write
-    block_tables: np.ndarray     # [S, max_blocks] int32, padded with 0 (never read)
-    context_lens: np.ndarray     # [S] int32
-    query_start_loc: np.ndarray  # [S+1] int32
-
-
-@dataclass
-class BatchEntry:
-    """One sequence's share of a step: `token_ids` computed at positions `start...`."""
-    token_ids: list[int]
-    start: int
-    block_ids: list[int]
-    write_kv: bool = True   # False for static batching's padding rows
-    samples: bool = True    # whether the last row's logits are needed
+from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
+from refserve.kv_cache.block_table import slot_mapping as compute_slots
 
 
 @dataclass
 class ModelInputs:
-    input_ids: np.ndarray
-    positions: np.ndarray
+    """One step's flat batch. Arrays are host NumPy (printable); `attn` holds the device
+    copies of the attention arrays and the host scalars; `input_ids_device` etc. are the
+    device copies the forward reads (the same objects on the NumPy backend).
+
+    row_order[i] is the index in `out.scheduled` of flat row i (decodes first).
+    """
+
+    input_ids: np.ndarray        # [T] int64
+    positions: np.ndarray        # [T] int64
+    slot_mapping: np.ndarray     # [T] int64, -1 = write nothing
+    block_tables: np.ndarray     # [S, max_blocks] int32, PAD_BLOCK past each table
+    context_lens: np.ndarray     # [S] int32
+    query_start_loc: np.ndarray  # [S+1] int32
+    logits_indices: np.ndarray   # [R] int64, R = sum of num_logits, scheduler order
+    row_order: np.ndarray        # [S] int
     attn: AttentionMetadata
-    logits_indices: np.ndarray   # [num sampling sequences] rows of the batch to unembed
+    input_ids_device: object = None
+    positions_device: object = None
+    logits_indices_device: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.logits_indices)
+
+    def __str__(self) -> str:
+        a = self.attn
+        lines = [
+            f"ModelInputs: {len(self.row_order)} rows, {self.num_tokens} tokens, "
+            f"{self.num_logits} logits rows | num_decodes {a.num_decodes} "
+            f"(decode tokens {a.num_decode_tokens}) | max_query_len {a.max_query_len} | "
+            f"max_context_len {a.max_context_len}",
+            f"  row_order        {self.row_order.tolist()}   (flat row -> scheduled row)",
+            f"  input_ids        {self.input_ids.tolist()}",
+            f"  positions        {self.positions.tolist()}",
+            f"  slot_mapping     {self.slot_mapping.tolist()}",
+            f"  query_start_loc  {self.query_start_loc.tolist()}",
+            f"  context_lens     {self.context_lens.tolist()}",
+            f"  logits_indices   {self.logits_indices.tolist()}",
+            "  block_tables",
+        ]
+        lines += [f"    {row.tolist()}" for row in self.block_tables]
+        return "\n".join(lines)
+
+    __repr__ = __str__
 
 
-def prepare_inputs(entries: list[BatchEntry], block_size: int) -> ModelInputs:
-    num_seqs = len(entries)
-    q_lens = np.array([len(e.token_ids) for e in entries], dtype=np.int32)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=query_start_loc[1:])
-    max_blocks = max((len(e.block_ids) for e in entries), default=0)
-    block_tables = np.zeros((num_seqs, max(max_blocks, 1)), dtype=np.int32)
-    input_ids, positions, slots = [], [], []
-    for i, e in enumerate(entries):
-        block_tables[i, :len(e.block_ids)] = e.block_ids
-        pos = np.arange(e.start, e.start + len(e.token_ids), dtype=np.int64)
-        if e.write_kv:
-            table = np.asarray(e.block_ids, dtype=np.int64)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        else:
-            slots.append(np.full(len(pos), -1, dtype=np.int64))
-        input_ids.append(np.asarray(e.token_ids, dtype=np.int64))
-        positions.append(pos)
-    logits_indices = np.array([query_start_loc[i + 1] - 1 for i, e in enumerate(entries)
-                               if e.samples], dtype=np.int64)
-    context_lens = np.array([e.start + len(e.token_ids) for e in entries], dtype=np.int32)
+def _query_tokens(seq, start: int, num_tokens: int) -> list[int]:
+    """(seq.token_ids + seq.spec_token_ids)[start:start + num_tokens], without concatenating
+    the whole history."""
+    token_ids = seq.token_ids
+    end = start + num_tokens
+    if end <= len(token_ids):
+        return token_ids[start:end]
+    spec = getattr(seq, "spec_token_ids", [])
+    return token_ids[start:] + spec[max(0, start - len(token_ids)):end - len(token_ids)]
 
-    def cat(parts):
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    return ModelInputs(
-        input_ids=cat(input_ids),
-        positions=cat(positions),
-        attn=AttentionMetadata(slot_mapping=cat(slots), block_tables=block_tables,
-                               context_lens=context_lens, query_start_loc=query_start_loc),
-        logits_indices=logits_indices,
-    )
+def _num_logits(row) -> int:
+    num_logits = getattr(row, "num_logits", None)
+    if num_logits is None:  # a scheduler output from before num_logits existed
+        num_logits = 1 if row.samples else 0
+    return 0 if row.is_padding else int(num_logits)
 
 
 class ModelRunner:
-    """Owns the model and its KV cache; runs one scheduler step."""
+    """Owns the model and its KV cache; prepares, copies and runs one scheduler step."""
 
     def __init__(self, model, backend, num_blocks: int, block_size: int) -> None:
         c = model.config
@@ -90,41 +114,118 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.kv_caches = backend.allocate_kv_cache(
-            c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+            c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+            dtype=getattr(model, "dtype", np.float32))
         self.time_in_forward = 0.0  # seconds inside model.forward (the rest is overhead)
 
-    def entries_for(self, scheduler_output) -> list[BatchEntry]:
-        entries = []
-        for s in scheduler_output.scheduled:
-            seq = s.seq
+    # ------------------------------------------------------------------ stage 1: prepare
+    def prepare(self, out) -> ModelInputs:
+        """Flatten `out.scheduled` into a `ModelInputs` (host arrays, decodes first) and
+        build the step's `AttentionMetadata` (arrays moved to the device once, scalars
+        computed on the host once). Raises ValueError on an impossible row."""
+        rows = list(out.scheduled)
+        q_lens = [1 if s.is_padding else s.num_tokens for s in rows]
+        # Decodes first (stable: scheduler order inside each group).
+        order = ([i for i, q in enumerate(q_lens) if q == 1]
+                 + [i for i, q in enumerate(q_lens) if q != 1])
+        num_rows = len(rows)
+        query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
+        np.cumsum([q_lens[i] for i in order], out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        max_blocks = max((len(s.block_ids) for s in rows), default=0)
+        block_tables = np.full((num_rows, max(max_blocks, 1)), PAD_BLOCK, dtype=np.int32)
+        context_lens = np.empty(num_rows, dtype=np.int32)
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slots = np.empty(num_tokens, dtype=np.int64)
+        first_token = np.empty(num_rows, dtype=np.int64)  # flat index of row i's 1st token
+        for flat, i in enumerate(order):
+            s = rows[i]
+            lo, hi = int(query_start_loc[flat]), int(query_start_loc[flat + 1])
+            first_token[i] = lo
+            table = s.block_ids
+            block_tables[flat, :len(table)] = table  # one slice copy from an int32 array
             if s.is_padding:
-                # Static batching: a finished sequence still occupies its slot. Recompute its
+                # Static batching: a finished sequence still holds its seat. Recompute its
                 # last cached token (real work, nothing written, result thrown away).
-                p = seq.num_computed_tokens - 1
-                entries.append(BatchEntry([seq.token_ids[p]], p, s.block_ids,
-                                          write_kv=False, samples=False))
+                start = s.start
+                input_ids[lo] = s.seq.token_ids[start]
+                slots[lo] = -1
             else:
-                entries.append(BatchEntry(seq.token_ids[s.start:s.start + s.num_tokens],
-                                          s.start, s.block_ids, samples=s.samples))
-        return entries
-
-    def execute(self, entries: list[BatchEntry], block_copies=()) -> np.ndarray:
-        """Run copy-on-write copies, then the forward; returns logits of sampling rows
-        ([num sampling sequences, vocab], host NumPy)."""
-        if block_copies:
-            src_to_dst = self.backend.to_device(np.asarray(block_copies, dtype=np.int64))
-            for k_cache, v_cache in self.kv_caches:
-                self.backend.copy_blocks(k_cache, v_cache, src_to_dst)
-        inputs = prepare_inputs(entries, self.block_size)
-        if len(inputs.input_ids) == 0:
-            return np.zeros((0, self.model.config.vocab_size), dtype=np.float32)
+                start = s.start
+                input_ids[lo:hi] = _query_tokens(s.seq, start, s.num_tokens)
+            positions[lo:hi] = np.arange(start, start + (hi - lo))
+            if not s.is_padding:
+                slots[lo:hi] = compute_slots(block_tables[flat], positions[lo:hi],
+                                             self.block_size)
+            context_lens[flat] = start + (hi - lo)
+        # Logits rows in scheduler order: each row's last num_logits tokens.
+        logits_indices = []
+        for i, s in enumerate(rows):
+            end = int(first_token[i]) + q_lens[i]  # one past the row's last token
+            logits_indices.extend(range(end - _num_logits(s), end))
+        logits_indices = np.array(logits_indices, dtype=np.int64)
         to_dev = self.backend.to_device
-        attn = AttentionMetadata(*(to_dev(a) for a in (
-            inputs.attn.slot_mapping, inputs.attn.block_tables, inputs.attn.context_lens,
-            inputs.attn.query_start_loc)))
+        attn = AttentionMetadata.build(slots, query_start_loc, context_lens, block_tables,
+                                       to_device=to_dev)
+        return ModelInputs(
+            input_ids=input_ids, positions=positions, slot_mapping=slots,
+            block_tables=block_tables, context_lens=context_lens,
+            query_start_loc=query_start_loc, logits_indices=logits_indices,
+            row_order=np.array(order, dtype=np.int64), attn=attn,
+            input_ids_device=to_dev(input_ids), positions_device=to_dev(positions),
+            logits_indices_device=to_dev(logits_indices))
+
+    # ------------------------------------------------------------------ stage 2: copy
+    def copy_blocks(self, block_copies) -> None:
+        """Copy-on-write: for each (src, dst), block dst := block src in every layer's K and
+        V cache. Run before the forward of the step that scheduled the copies."""
+        pairs = np.asarray(list(block_copies), dtype=np.int64).reshape(-1, 2)
+        if len(pairs) == 0:
+            return
+        if len(np.unique(pairs[:, 1])) != len(pairs):
+            raise ValueError(f"copy_blocks: a destination block appears twice in "
+                             f"{pairs.tolist()}; each CoW copy needs its own block")
+        src_to_dst = self.backend.to_device(pairs)
+        for k_cache, v_cache in self.kv_caches:
+            self.backend.copy_blocks(k_cache, v_cache, src_to_dst)
+
+    # ------------------------------------------------------------------ stage 3: forward
+    def forward(self, inputs: ModelInputs) -> np.ndarray:
+        """One model forward over the prepared batch. Returns float32 logits on the host,
+        [inputs.num_logits, vocab], rows in scheduler order. The only device->host copy of
+        the step is this result."""
+        if inputs.num_tokens == 0:
+            return np.zeros((0, self.model.config.vocab_size), dtype=np.float32)
         t0 = time.perf_counter()
-        logits = self.model.forward(to_dev(inputs.input_ids), to_dev(inputs.positions), attn,
-                                    self.kv_caches, to_dev(inputs.logits_indices))
+        logits = self.model.forward(inputs.input_ids_device, inputs.positions_device,
+                                    inputs.attn, self.kv_caches, inputs.logits_indices_device)
         logits = self.backend.to_numpy(logits)
         self.time_in_forward += time.perf_counter() - t0
         return logits
+
+    # ------------------------------------------------- transitional (engine.step of before)
+    def entries_for(self, scheduler_output):
+        """Transitional: the old engine.step calls entries_for + execute. Removed once
+        LLMEngine.step uses prepare / copy_blocks / forward."""
+        return _Entries(scheduler_output)
+
+    def execute(self, entries, block_copies=()) -> np.ndarray:
+        """Transitional: copy_blocks, prepare, forward in one call."""
+        self.copy_blocks(block_copies)
+        return self.forward(self.prepare(entries.out))
+
+
+class _Entries(list):
+    """Transitional view of a scheduler output as the list of rows the old `execute` took
+    (each with `token_ids`), keeping the output itself for `prepare`."""
+
+    def __init__(self, out) -> None:
+        super().__init__(_EntryView(s) for s in out.scheduled)
+        self.out = out
+
+
+class _EntryView:
+    def __init__(self, s) -> None:
+        n = 1 if s.is_padding else s.num_tokens
+        self.token_ids = _query_tokens(s.seq, s.start, n)

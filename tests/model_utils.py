@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from refserve.backends.numpy_backend import NumpyBackend
-from refserve.model_runner import BatchEntry, ModelRunner, prepare_inputs
+from refserve.model_runner import ModelRunner
 
 
 def save_tiny_hf_model(tmp_path, model_type="llama", tie=True, num_kv_heads=2, bias=None,
@@ -48,6 +50,23 @@ def hf_logits(hf_model, token_ids) -> np.ndarray:
         return hf_model(torch.tensor([token_ids])).logits[0].float().numpy()
 
 
+def row(token_ids, start, num_tokens, block_ids, num_logits=1, is_padding=False):
+    """A scheduled row as the runner reads it (duck-typed `ScheduledSequence`): the sequence
+    holds `token_ids`, the row computes [start, start + num_tokens)."""
+    seq = SimpleNamespace(token_ids=list(token_ids), spec_token_ids=[],
+                          num_computed_tokens=start)
+    return SimpleNamespace(seq=seq, start=start, num_tokens=num_tokens, is_padding=is_padding,
+                           block_ids=list(block_ids), num_logits=num_logits)
+
+
+def run_step(runner, rows, block_copies=()):
+    """prepare -> copy_blocks -> forward for the given rows; returns host logits."""
+    out = SimpleNamespace(scheduled=list(rows), block_copies=list(block_copies))
+    inputs = runner.prepare(out)
+    runner.copy_blocks(out.block_copies)
+    return runner.forward(inputs)
+
+
 def prefill_logits(model, token_ids, block_size=16, chunk=None, block_ids=None):
     """All-position logits of one sequence computed through the paged cache, optionally in
     prefill chunks of `chunk` tokens (each chunk attends to the cached earlier ones)."""
@@ -59,10 +78,9 @@ def prefill_logits(model, token_ids, block_size=16, chunk=None, block_ids=None):
     chunk = chunk or n
     rows = []
     for start in range(0, n, chunk):
-        piece = token_ids[start:start + chunk]
-        inp = prepare_inputs([BatchEntry(piece, start, block_ids)], block_size)
-        rows.append(model.forward(inp.input_ids, inp.positions, inp.attn, runner.kv_caches,
-                                  None))
+        size = min(chunk, n - start)
+        rows.append(run_step(runner, [row(token_ids, start, size, block_ids,
+                                          num_logits=size)]))
     return np.concatenate(rows), runner
 
 

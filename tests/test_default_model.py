@@ -85,10 +85,9 @@ def test_chat_template_renders_conversation(hf_tokenizer):
 def test_greedy_matches_transformers_generate(smollm2_dir, hf_smollm2, hf_tokenizer,
                                               hf_greedy_fn):
     """Four prompts, 32 greedy tokens each, token-identical to transformers' generate."""
-    from model_utils import prefill_logits
+    from model_utils import prefill_logits, row, run_step
 
-    from refserve.model_runner import BatchEntry
-    from refserve.models.llama import load_model
+    from refserve.models.loader import load_model
 
     model = load_model(smollm2_dir, numpy_backend())
     prompts = ["The capital of France is", "def quicksort(arr):",
@@ -103,6 +102,6 @@ def test_greedy_matches_transformers_generate(smollm2_dir, hf_smollm2, hf_tokeni
         for _ in range(32):
             out.append(nxt)
             tokens.append(nxt)
-            logits = runner.execute([BatchEntry([nxt], len(tokens) - 1, blocks)])
+            logits = run_step(runner, [row(tokens, len(tokens) - 1, 1, blocks)])
             nxt = int(np.argmax(logits[-1]))
         assert out == hf_greedy_fn(hf_smollm2, ids, 32), prompt

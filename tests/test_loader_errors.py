@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from model_utils import numpy_backend, save_tiny_hf_model
 
-from refserve.models.llama import load_model
 from refserve.models.loader import (
     ModelLoadError,
     UnsupportedModelError,
     load_config,
+    load_model,
     read_safetensors,
 )
 

@@ -6,10 +6,18 @@ refserve, and the logits compared at every position: max relative error <= 1e-4.
 
 import numpy as np
 import pytest
-from model_utils import hf_logits, max_rel_err, numpy_backend, prefill_logits, save_tiny_hf_model
+from model_utils import (
+    hf_logits,
+    max_rel_err,
+    numpy_backend,
+    prefill_logits,
+    row,
+    run_step,
+    save_tiny_hf_model,
+)
 
-from refserve.model_runner import BatchEntry, ModelRunner
-from refserve.models.llama import load_model
+from refserve.model_runner import ModelRunner
+from refserve.models.loader import load_model
 
 CASES = [
     pytest.param("llama", True, 2, None, id="llama-gqa-tied"),
@@ -63,10 +71,10 @@ def test_ragged_batch_matches_each_sequence_alone(tmp_path):
         next_block += n
     # Step 1: compute everything but the tail of each sequence (tails: 23, 12, 1, 1 tokens).
     done = [0, 18, 8, 16]
-    warm = [BatchEntry(s[:d], 0, t) for s, d, t in zip(seqs, done, tables) if d > 0]
-    runner.execute(warm)
-    step = [BatchEntry(s[d:], d, t) for s, d, t in zip(seqs, done, tables)]
-    logits = runner.execute(step)
+    warm = [row(s, 0, d, t, num_logits=0) for s, d, t in zip(seqs, done, tables) if d > 0]
+    assert run_step(runner, warm).shape == (0, 97)
+    step = [row(s, d, len(s) - d, t) for s, d, t in zip(seqs, done, tables)]
+    logits = run_step(runner, step)  # decodes run first inside, logits come back in order
     for i, s in enumerate(seqs):
         expect = hf_logits(hf, s)[-1:]
         assert max_rel_err(logits[i:i + 1], expect) <= 1e-4, f"sequence {i}"

@@ -15,9 +15,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
 from refserve.backends.numpy_backend import NumpyBackend
 
 BACKEND = NumpyBackend()
+
+
+def paged_attention(backend, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                    scale):
+    """backend.paged_attention with the step's AttentionMetadata built from the arrays."""
+    attn = AttentionMetadata.build(np.zeros(len(q), dtype=np.int64), query_start_loc,
+                                   context_lens, block_tables)
+    return backend.paged_attention(q, k_cache, v_cache, attn, scale)
 
 
 # --------------------------------------------------------------------------- reference
@@ -70,11 +79,14 @@ def build_batch(
 ):
     """A ragged batch over a paged cache with shuffled physical block ids.
 
-    chunks: list of (context_len, q_len) per sequence.
+    chunks: list of (context_len, q_len) per sequence; reordered decodes (q_len == 1) first,
+    the layout AttentionMetadata requires. Table entries past a sequence's blocks are
+    PAD_BLOCK (-1): a backend that read one would fetch the wrong (last or first) block.
     Returns (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, logical) where
     logical[i] = (keys [L, Hkv, D], values [L, Hkv, D]) of sequence i.
     """
     num_heads = num_kv_heads * group
+    chunks = sorted(chunks, key=lambda c: c[1] != 1)  # stable: decodes first
     blocks_per_seq = [-(-ctx // block_size) for ctx, _ in chunks]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     physical = rng.permutation(num_blocks)  # shuffled ids: logical order != physical order
@@ -85,7 +97,7 @@ def build_batch(
     v_cache = (rng.standard_normal(shape) * 100).astype(np.float32)
 
     max_blocks = max(blocks_per_seq) + extra_table_cols
-    block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)  # padding = 0
+    block_tables = np.full((len(chunks), max_blocks), PAD_BLOCK, dtype=np.int32)
     logical, qs, next_block = [], [], 0
     for i, (ctx, q_len) in enumerate(chunks):
         ids = physical[next_block : next_block + blocks_per_seq[i]]
@@ -174,7 +186,7 @@ def test_paged_attention_matches_dense_causal_reference(case):
         case["chunks"],
     )
     scale = 1.0 / np.sqrt(case["head_dim"])
-    out = BACKEND.paged_attention(q, k_cache, v_cache, tables, ctx, qsl, scale)
+    out = paged_attention(BACKEND, q, k_cache, v_cache, tables, ctx, qsl, scale)
     assert out.shape == q.shape
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, reference(q, logical, qsl, scale), rtol=1e-5, atol=1e-6)
@@ -195,9 +207,9 @@ def test_contiguous_cache_equals_paged(case):
         case["chunks"],
     )
     scale = 1.0 / np.sqrt(case["head_dim"])
-    paged = BACKEND.paged_attention(q, k_cache, v_cache, tables, ctx, qsl, scale)
+    paged = paged_attention(BACKEND, q, k_cache, v_cache, tables, ctx, qsl, scale)
     kc, vc, contiguous_tables = contiguous_copy(logical, int(ctx.max()) + 5, rng)
-    contiguous = BACKEND.paged_attention(q, kc, vc, contiguous_tables, ctx, qsl, scale)
+    contiguous = paged_attention(BACKEND, q, kc, vc, contiguous_tables, ctx, qsl, scale)
     np.testing.assert_allclose(contiguous, paged, rtol=1e-5, atol=1e-6)
 
 
@@ -214,7 +226,7 @@ def test_long_decode_batch_and_chunks_smollm_shapes(block_size):
     else:
         q, k_cache, v_cache, tables, ctx, qsl, logical = build_batch(rng, 16, 3, 3, 64, chunks)
     scale = np.float32(1 / 8)
-    out = BACKEND.paged_attention(q, k_cache, v_cache, tables, ctx, qsl, scale)
+    out = paged_attention(BACKEND, q, k_cache, v_cache, tables, ctx, qsl, scale)
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, reference(q, logical, qsl, scale), rtol=1e-5, atol=1e-6)
 
@@ -241,7 +253,7 @@ def test_output_stays_float32(scale):
     q, k_cache, v_cache, tables, ctx, qsl, _ = build_batch(
         rng, 8, 2, 3, 16, [(10, 1), (12, 5), (9, 9)]
     )
-    out = BACKEND.paged_attention(q, k_cache, v_cache, tables, ctx, qsl, scale)
+    out = paged_attention(BACKEND, q, k_cache, v_cache, tables, ctx, qsl, scale)
     assert out.dtype == np.float32
 
 
@@ -250,7 +262,7 @@ def test_large_scores_are_stable():
     rng = np.random.default_rng(2)
     q, k_cache, v_cache, tables, ctx, qsl, logical = build_batch(rng, 4, 1, 2, 8, [(9, 1), (9, 4)])
     q *= 300.0
-    out = BACKEND.paged_attention(q, k_cache, v_cache, tables, ctx, qsl, 1.0)
+    out = paged_attention(BACKEND, q, k_cache, v_cache, tables, ctx, qsl, 1.0)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, reference(q, logical, qsl, 1.0), rtol=1e-5, atol=1e-5)
 
@@ -269,12 +281,12 @@ def test_results_do_not_alias_the_reused_gather_buffers():
     backend = NumpyBackend()
     rng = np.random.default_rng(3)
     first = build_batch(rng, 8, 2, 3, 16, [(30, 1), (17, 1), (5, 1)])
-    out1 = backend.paged_attention(*first[:6], 0.25)
+    out1 = paged_attention(backend, *first[:6], 0.25)
     kept = out1.copy()
     second = build_batch(rng, 8, 2, 3, 16, [(60, 1), (3, 1)])  # bigger, then smaller
-    out2 = backend.paged_attention(*second[:6], 0.25)
+    out2 = paged_attention(backend, *second[:6], 0.25)
     third = build_batch(rng, 8, 2, 3, 16, [(9, 1)])
-    out3 = backend.paged_attention(*third[:6], 0.25)
+    out3 = paged_attention(backend, *third[:6], 0.25)
     np.testing.assert_array_equal(out1, kept)
     for (q, *_, qsl, logical), out in [(first, out1), (second, out2), (third, out3)]:
         np.testing.assert_allclose(out, reference(q, logical, qsl, 0.25), rtol=1e-5, atol=1e-6)

@@ -9,12 +9,12 @@ The model only ever sees the `Backend` interface (refserve/backends/base.py).
 
 from __future__ import annotations
 
+from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
 from refserve.backends.base import Backend
 from refserve.backends.numpy_backend import NumpyBackend
+from refserve.config import BACKENDS
 
-__all__ = ["Backend", "NumpyBackend", "VALID_BACKENDS", "get_backend"]
-
-VALID_BACKENDS = ("auto", "numpy", "cupy")
+__all__ = ["PAD_BLOCK", "AttentionMetadata", "Backend", "NumpyBackend", "get_backend"]
 
 
 def _gpu_unavailable_reason() -> str | None:
@@ -36,7 +36,7 @@ def get_backend(name: str = "auto") -> Backend:
     """Return a backend by name: "numpy", "cupy" or "auto".
 
     Raises:
-        ValueError: `name` is not one of VALID_BACKENDS.
+        ValueError: `name` is not one of config.BACKENDS.
         RuntimeError: "cupy" was asked for but cupy or a CUDA GPU is missing.
         NotImplementedError: "cupy" on a machine that could run it (the backend is not
             written yet).
@@ -58,4 +58,4 @@ def get_backend(name: str = "auto") -> Backend:
         # "auto" will pick cupy when a GPU is usable *and* the CuPy backend exists. It does
         # not exist yet, so auto is numpy everywhere (and does not pay for importing cupy).
         return NumpyBackend()
-    raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(VALID_BACKENDS)}")
+    raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(BACKENDS)}")

@@ -10,21 +10,22 @@ because they are the ones a GPU backend replaces with kernels:
 
 KV cache layout (docs/architecture.md, "KV cache layout"), one pair per layer:
 
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]   float32
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]   in the engine's dtype
 
 Physical block `b` holds the tokens in slots `b * block_size ... b * block_size + block_size - 1`,
 so `k_cache.reshape(-1, num_kv_heads, head_dim)[slot]` is one token's keys. The naive
 contiguous cache is the special case `block_size = max_model_len`, one block per sequence.
 
-Attention metadata (docs/architecture.md, "Attention metadata"), for `S` sequences and
-`T = sum(q_len)` query tokens, all plain integer arrays:
+Attention metadata: one `AttentionMetadata` per step (refserve/backends/attention_metadata.py),
+built on the host by `ModelRunner.prepare` and handed unchanged to every layer. It holds the
+integer arrays (slot_mapping, query_start_loc, context_lens, block_tables; decode rows first)
+on the device and the scalars a kernel launch needs (num_decodes, max_query_len,
+max_context_len, ...) on the host. No op may read a device array back to the host: every size
+it needs is a host scalar of the metadata or an array shape.
 
-    slot_mapping     [T]              int64   flat slot of each token's K/V; -1 = don't write
-    query_start_loc  [S+1]            int32   tokens of sequence i: query_start_loc[i]:[i+1]
-    context_lens     [S]              int32   keys visible to sequence i after this step's
-                                              writes (= position of its last query + 1)
-    block_tables     [S, max_blocks]  int32   physical block ids; entries past
-                                              ceil(context_lens[i] / block_size) are padding
+dtype: `resolve_dtype(name)` maps EngineConfig.dtype ("auto", "float32", "float16",
+"bfloat16") to the numpy dtype the backend computes and caches in, or raises ValueError.
+Weights and KV cache use it; only the logits are upcast to float32.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ import abc
 from typing import Any
 
 import numpy as np
+
+from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
+from refserve.config import DTYPES
+
+__all__ = ["PAD_BLOCK", "AttentionMetadata", "Array", "Backend"]
 
 # An array of whichever library the backend computes with (numpy.ndarray or cupy.ndarray).
 Array = Any
@@ -60,6 +66,22 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def to_numpy(self, array: Array) -> np.ndarray:
         """Return `array` as a host `numpy.ndarray` (identity in the NumPy backend)."""
+
+    def resolve_dtype(self, dtype: str) -> np.dtype:
+        """The numpy dtype for EngineConfig.dtype `dtype` ("auto" = this backend's default).
+
+        The base implementation accepts every name of config.DTYPES whose numpy dtype
+        exists (bfloat16 has none in plain NumPy). Raises ValueError naming the choices.
+        """
+        if dtype == "auto":
+            return np.dtype(np.float32)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
+        try:
+            return np.dtype(dtype)
+        except TypeError:
+            raise ValueError(f"dtype={dtype!r} is not supported by the {self.name} "
+                             "backend") from None
 
     def free_device_memory(self) -> int | None:
         """Bytes of device memory still free (after the weights are loaded), from which the
@@ -127,9 +149,7 @@ class Backend(abc.ABC):
         q: Array,
         k_cache: Array,
         v_cache: Array,
-        block_tables: Array,
-        context_lens: Array,
-        query_start_loc: Array,
+        attn: AttentionMetadata,
         scale: float,
     ) -> Array:
         """Causal attention of a ragged batch of query chunks over paged contexts.
@@ -137,9 +157,11 @@ class Backend(abc.ABC):
         Shapes:
             q:                 [T, num_heads, head_dim]
             k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
-            block_tables:      [S, max_blocks] int
-            context_lens:      [S] int
-            query_start_loc:   [S+1] int, query_start_loc[-1] == T
+            attn:              this step's metadata (see attention_metadata.py): device
+                               arrays query_start_loc [S+1], context_lens [S],
+                               block_tables [S, max_blocks] (PAD_BLOCK past each context),
+                               host scalars num_decodes, max_query_len, max_context_len,
+                               max_decode_context_len
             returns out:       [T, num_heads, head_dim], same dtype as q
 
         Sequence i has `q_len = query_start_loc[i+1] - query_start_loc[i]` query tokens and a
@@ -152,7 +174,10 @@ class Backend(abc.ABC):
 
         with grouped-query attention: head h reads kv head `kv = h // (num_heads //
         num_kv_heads)`. A prefill chunk, a decode step (q_len == 1) and a speculative verify
-        are all this one case.
+        are all this one case. Rows 0 .. num_decodes-1 are decodes (q_len == 1, token t is
+        row t), so a backend may run them as one batch and the rest per chunk, choosing
+        launch sizes from the host scalars. Never reads a block-table entry at or past
+        ceil(context_lens[i] / block_size), and never reads a device value back to the host.
         """
 
     @abc.abstractmethod

@@ -19,15 +19,21 @@ sequence's keys into one array:
   * contiguous special case: when a context fits in its sequence's first block (the naive
     cache with block_size = max_model_len, one block per sequence), `k_cache[block, :L]` is
     already a contiguous `[L, num_kv_heads, head_dim]` view, so it is read without any copy.
+
+Nothing here reads a device array back to the host (which on a GPU would stall the queue in
+every layer): sizes and per-sequence loop bounds come from the `AttentionMetadata`'s host
+scalars and host copies, and what every layer shares (the decode gather table, the padding
+mask) is built once per step and cached on the metadata.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from refserve.backends.base import Backend
+from refserve.backends.base import PAD_BLOCK, AttentionMetadata, Backend
 
 # Prefill chunks are processed this many query tokens at a time, which bounds the score
 # matrix at [num_heads, tile, L] floats, and lets each tile skip the keys after its last query
@@ -92,6 +98,14 @@ class NumpyBackend(Backend):
         """Identity for an ndarray."""
         return np.asarray(array)
 
+    def resolve_dtype(self, dtype: str) -> np.dtype:
+        """float32 for "auto" and "float32"; ValueError for anything else (NumPy has no
+        bfloat16, and float16 matmuls on a CPU are emulated and slow)."""
+        if dtype in ("auto", "float32"):
+            return np.dtype(np.float32)
+        raise ValueError(f"dtype={dtype!r}: the numpy backend computes in float32; use "
+                         "dtype='float32' or the cupy backend")
+
     # -------------------------------------------------------------- write_kv
 
     def write_kv(
@@ -110,7 +124,6 @@ class NumpyBackend(Backend):
         assert k.shape == v.shape and k.shape[1:] == (num_kv_heads, head_dim), (
             f"k {k.shape} / v {v.shape} do not match cache heads {(num_kv_heads, head_dim)}"
         )
-        slot_mapping = np.asarray(slot_mapping)
         assert slot_mapping.shape == (k.shape[0],), (
             f"slot_mapping {slot_mapping.shape} needs one slot per token ({k.shape[0]})"
         )
@@ -121,14 +134,13 @@ class NumpyBackend(Backend):
         k_slots = k_cache.reshape(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, ...]
         v_slots = v_cache.reshape(-1, num_kv_heads, head_dim)
 
+        # Filter on the device, without asking the host whether anything is skipped (that
+        # question is a device->host read). The filtered copies of k and v cost about as much
+        # as the scatter itself, i.e. little next to the matmuls that produced them.
         keep = slot_mapping >= 0
-        if keep.all():  # the common case: skip building filtered copies of k and v
-            k_slots[slot_mapping] = k
-            v_slots[slot_mapping] = v
-        else:
-            slots = slot_mapping[keep]
-            k_slots[slots] = k[keep]
-            v_slots[slots] = v[keep]
+        slots = slot_mapping[keep]
+        k_slots[slots] = k[keep]
+        v_slots[slots] = v[keep]
 
     # ----------------------------------------------------------- copy_blocks
 
@@ -154,15 +166,15 @@ class NumpyBackend(Backend):
         q: np.ndarray,
         k_cache: np.ndarray,
         v_cache: np.ndarray,
-        block_tables: np.ndarray,
-        context_lens: np.ndarray,
-        query_start_loc: np.ndarray,
+        attn: AttentionMetadata,
         scale: float,
     ) -> np.ndarray:
-        """q `[T, H, D]` float32 -> out `[T, H, D]` float32. See `Backend.paged_attention`.
+        """q `[T, H, D]` -> out `[T, H, D]`, same dtype. See `Backend.paged_attention`.
 
-        Sequences with q_len == 1 (decodes) go through one vectorised batch; the others
-        (chunks of q_len > 1) are computed one sequence at a time.
+        Rows 0 .. num_decodes-1 (q_len == 1) go through one vectorised batch; the others
+        (chunks of q_len > 1) are computed one sequence at a time, their sizes read from the
+        metadata's host copies. No device value is read back: every `if` and every size
+        below is a host scalar of `attn` or an array shape.
         """
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
@@ -172,42 +184,31 @@ class NumpyBackend(Backend):
         assert num_heads % num_kv_heads == 0, (
             f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
         )
-        query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
-        context_lens = np.asarray(context_lens, dtype=np.int64)
-        block_tables = np.asarray(block_tables)
-        q_lens = np.diff(query_start_loc)
-        assert query_start_loc[0] == 0 and query_start_loc[-1] == num_tokens, (
-            f"query_start_loc must run from 0 to T={num_tokens}, got {query_start_loc}"
-        )
-        assert (q_lens >= 0).all() and (q_lens <= context_lens).all(), (
-            "every chunk needs 0 <= q_len <= context_len"
-        )
         # Cast once: a float64 scale would silently promote every score matrix to float64.
         scale = np.float32(scale)
 
         out = np.empty_like(q)
-        decode = np.flatnonzero(q_lens == 1)
-        if len(decode) > 0:
-            rows = query_start_loc[decode]  # the single query token of each decode
-            out[rows] = self._decode_batch(
-                q[rows], k_cache, v_cache, block_tables[decode], context_lens[decode], scale
-            )
-        for i in np.flatnonzero(q_lens > 1):
-            start, end = query_start_loc[i], query_start_loc[i + 1]
-            out[start:end] = self._chunk(
-                q[start:end], k_cache, v_cache, block_tables[i], int(context_lens[i]), scale
-            )
-        assert out.dtype == q.dtype, f"attention changed dtype {q.dtype} -> {out.dtype}"
+        num_decodes = attn.num_decodes
+        if num_decodes > 0:
+            out[:num_decodes] = self._decode_batch(q[:num_decodes], k_cache, v_cache, attn,
+                                                   scale)
+        # Host copies: the per-sequence loop is launched from the CPU, like a kernel grid.
+        qsl, ctx = attn.query_start_loc_cpu, attn.context_lens_cpu
+        for i in range(num_decodes, attn.num_seqs):
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            out[start:end] = self._chunk(q[start:end], k_cache, v_cache,
+                                         attn.block_tables_cpu[i], int(ctx[i]), scale)
         return out
 
     @staticmethod
     def _gather_context(cache: np.ndarray, block_table: np.ndarray, num_keys: int) -> np.ndarray:
         """The first `num_keys` tokens of one sequence as `[num_keys, num_kv_heads, head_dim]`.
 
-        Key n sits in block `block_table[n // block_size]` at offset `n % block_size`, so
-        gathering the first ceil(num_keys / block_size) blocks and flattening them lines the
-        keys up in position order. If they all sit in the first block (the contiguous cache),
-        a slice of that block is already the answer: a view, no copy.
+        `block_table` is the row's host copy. Key n sits in block `block_table[n //
+        block_size]` at offset `n % block_size`, so gathering the first ceil(num_keys /
+        block_size) blocks and flattening them lines the keys up in position order; padding
+        entries lie past those blocks and are never read. If the keys all sit in the first
+        block (the contiguous cache), a slice of that block is already the answer: a view.
         """
         block_size = cache.shape[1]
         if num_keys <= block_size:
@@ -263,62 +264,79 @@ class NumpyBackend(Backend):
         # [Hkv, G, q_len, D] -> [q_len, H, D]
         return out.transpose(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
 
+    def _decode_plan(self, attn: AttentionMetadata, block_size: int):
+        """What every layer's decode batch shares, built by the first layer of the step and
+        cached on the metadata: (gather table [B, nb], key limit, mask bias [B, 1, 1, keys]).
+
+        Gather table: the first nb = ceil(max_decode_context_len / block_size) columns of the
+        decode rows' block tables, with PAD_BLOCK entries replaced by the row's own first block,
+        so the gather never dereferences a padding id (the keys read there are masked).
+        """
+        plan = attn.backend_cache.get("numpy_decode")
+        if plan is None:
+            batch, max_len = attn.num_decodes, attn.max_decode_context_len
+            num_blocks = -(-max_len // block_size)
+            table = attn.block_tables[:batch, :num_blocks]
+            table = np.where(table == PAD_BLOCK, table[:, :1], table)
+            # When every context fits in one block, gather only its first max_len slots (not
+            # the whole, possibly max_model_len-long, block).
+            num_keys = max_len if num_blocks == 1 else num_blocks * block_size
+            # Key n of row b is visible iff n < context_lens[b]; the rest (the tail of a partly
+            # filled block, or whole padding blocks) gets weight exp(-inf) = 0.
+            visible = np.arange(num_keys)[None, :] < attn.context_lens[:batch, None]
+            bias = np.where(visible, _ZERO, _NEG_INF)[:, None, None, :]
+            plan = attn.backend_cache["numpy_decode"] = (table, num_keys, bias)
+        return plan
+
     def _decode_batch(
         self,
         q: np.ndarray,
         k_cache: np.ndarray,
         v_cache: np.ndarray,
-        block_tables: np.ndarray,
-        context_lens: np.ndarray,
+        attn: AttentionMetadata,
         scale: np.float32,
     ) -> np.ndarray:
-        """Attention of B single-token queries `[B, H, D]`, each at the end of its own context
-        (so no causal mask inside the chunk: the query sees all context_lens[b] keys).
-        Returns `[B, H, D]`.
+        """Attention of B = num_decodes single-token queries `[B, H, D]`, each at the end of
+        its own context (no causal mask inside the chunk: the query sees all context_lens[b]
+        keys). Returns `[B, H, D]`.
+
+        The blocks of all B contexts are gathered into one padded batch
+        `[B, num_keys, Hkv, D]` (reused scratch memory) and the whole batch runs as two
+        batched matmuls. Measured at 32 decodes of 100-200 keys: gathering each row's own
+        blocks in a Python loop copies 25% less but is no faster than this one `take`.
         """
         batch, num_heads, head_dim = q.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
-        max_len = int(context_lens.max())
         # [B, H, D] -> [B, Hkv, G, D]: the G query heads of a kv head are the rows of one
         # matmul against that kv head's keys.
         q_grouped = (q * scale).reshape(batch, num_kv_heads, group, head_dim)
-
-        if max_len <= block_size and max_len >= _VIEW_MIN_CONTEXT:
-            # Contiguous cache: every context is a view of its first block, no gather.
+        max_len = attn.max_decode_context_len
+        if _VIEW_MIN_CONTEXT <= max_len <= block_size:
+            # Contiguous cache: every context is a view of its first block, no gather. The
+            # loop reads lengths and block ids from the metadata's host copies.
             out = np.empty_like(q_grouped)
             for b in range(batch):
-                length = int(context_lens[b])
-                keys = k_cache[block_tables[b, 0], :length]  # [L, Hkv, D] view
-                values = v_cache[block_tables[b, 0], :length]
+                block, length = attn.block_tables_cpu[b, 0], attn.context_lens_cpu[b]
                 out[b] = _attend(
                     q_grouped[b],  # [Hkv, G, D]
-                    keys.transpose(1, 2, 0),  # [Hkv, D, L]
-                    values.transpose(1, 0, 2),  # [Hkv, L, D]
+                    k_cache[block, :length].transpose(1, 2, 0),  # [Hkv, D, L] view
+                    v_cache[block, :length].transpose(1, 0, 2),  # [Hkv, L, D] view
                     _ZERO,  # a decode query sees its whole context: nothing to mask
                 )
             return out.reshape(batch, num_heads, head_dim)
 
-        # Paged: gather every sequence's first num_blocks blocks into one padded batch.
-        num_blocks = -(-max_len // block_size)
-        if num_blocks == 1:
-            # All contexts fit in one block: gather only its first max_len slots, not the
-            # whole (possibly max_model_len-long) block.
-            k_cache, v_cache = k_cache[:, :max_len], v_cache[:, :max_len]
-        padded_len = num_blocks * k_cache.shape[1]
-        table = block_tables[:, :num_blocks]  # [B, nb]; padding ids are valid blocks (0)
-        keys = self._gather_blocks("k", k_cache, table)  # [B, nb, block_size, Hkv, D]
+        table, num_keys, bias = self._decode_plan(attn, block_size)
+        if num_keys < block_size:
+            k_cache, v_cache = k_cache[:, :num_keys], v_cache[:, :num_keys]
+        keys = self._gather_blocks("k", k_cache, table)  # [B, nb, block_size', Hkv, D]
         values = self._gather_blocks("v", v_cache, table)
-        keys = keys.reshape(batch, padded_len, num_kv_heads, head_dim)
-        values = values.reshape(batch, padded_len, num_kv_heads, head_dim)
-        # Key n of sequence b is visible iff n < context_lens[b]; the rest is padding (the
-        # tail of a partly filled block, or whole padding blocks) and gets weight exp(-inf) = 0.
-        visible = np.arange(padded_len)[None, :] < context_lens[:, None]  # [B, padded_len]
-        bias = np.where(visible, _ZERO, _NEG_INF)[:, None, None, :]  # [B, 1, 1, padded_len]
+        keys = keys.reshape(batch, num_keys, num_kv_heads, head_dim)
+        values = values.reshape(batch, num_keys, num_kv_heads, head_dim)
         out = _attend(
             q_grouped,  # [B, Hkv, G, D]
-            keys.transpose(0, 2, 3, 1),  # [B, Hkv, D, padded_len]
-            values.transpose(0, 2, 1, 3),  # [B, Hkv, padded_len, D]
+            keys.transpose(0, 2, 3, 1),  # [B, Hkv, D, num_keys]
+            values.transpose(0, 2, 1, 3),  # [B, Hkv, num_keys, D]
             bias,
         )
         return out.reshape(batch, num_heads, head_dim)
@@ -326,16 +344,16 @@ class NumpyBackend(Backend):
     def _gather_blocks(self, which: str, cache: np.ndarray, table: np.ndarray) -> np.ndarray:
         """`cache[table]` (shape `[*table.shape, block_size, Hkv, D]`) written into a reused
         scratch buffer instead of a fresh array. Valid until the next call with `which`."""
-        assert table.min() >= 0 and table.max() < cache.shape[0], "block id out of range"
         shape = table.shape + cache.shape[1:]
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         buffer = self._scratch.get(which)
         if buffer is None or buffer.size < size or buffer.dtype != cache.dtype:
             buffer = np.empty(size, dtype=cache.dtype)
             self._scratch[which] = buffer
         out = buffer[:size].reshape(shape)
         # mode="clip" lets take write straight into `out` (the default mode="raise" gathers
-        # into a temporary first); the ids were range-checked above, so nothing is clipped.
+        # into a temporary first). Ids come from block tables the KV-cache manager filled, with
+        # padding replaced (see _decode_plan), so nothing is clipped.
         return np.take(cache, table, axis=0, out=out, mode="clip")
 
     # ------------------------------------------------------ speculative decoding

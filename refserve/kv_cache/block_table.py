@@ -24,11 +24,30 @@ block_size - 1), are the sequence's *internal fragmentation*: the only waste pag
 
 The table does not count tokens (the `Sequence` does) and does not own blocks (the
 `KVCacheManager` allocates, shares and frees them); it only does the arithmetic.
+
+Storage: the ids live in a persistent int32 NumPy array that grows by doubling, so an append
+is O(1) amortised and `array` (the ids as int32, no copy) is what the model runner copies
+into a step's `block_tables` row by one slice, instead of rebuilding it from a Python list.
+`slot_mapping(block_ids, positions, block_size)` is the one implementation of the slot
+formula; `slot`, `slots` and the model runner all call it.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from refserve.capacity import blocks_for_tokens
+
+
+def slot_mapping(block_ids: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """slot(p) = block_ids[p // block_size] * block_size + p % block_size, for every p.
+
+    block_ids: one sequence's block table (int array); positions: int array, each p with a
+    block (p // block_size < len(block_ids)). Returns int64 slots, the shape of positions.
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    table = np.asarray(block_ids, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
 
 
 class BlockTable:
@@ -36,7 +55,22 @@ class BlockTable:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
         self.block_size = block_size
-        self.block_ids: list[int] = list(block_ids or [])
+        ids = np.asarray(block_ids if block_ids is not None else [], dtype=np.int32)
+        self._ids = np.empty(max(4, 2 * len(ids)), dtype=np.int32)  # capacity, grows x2
+        self._ids[:len(ids)] = ids
+        self._len = len(ids)
+
+    @property
+    def array(self) -> np.ndarray:
+        """The block ids as an int32 array [len(self)] (a read-only view, no copy)."""
+        view = self._ids[:self._len]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The block ids as a list of Python ints (a copy)."""
+        return self._ids[:self._len].tolist()
 
     # ---- the append rule -----------------------------------------------------------------
 
@@ -46,12 +80,12 @@ class BlockTable:
 
     def num_new_blocks(self, num_tokens: int) -> int:
         """Blocks to append so that positions [0, num_tokens) all have a slot."""
-        return max(0, self.blocks_needed(num_tokens) - len(self.block_ids))
+        return max(0, self.blocks_needed(num_tokens) - self._len)
 
     @property
     def num_slots(self) -> int:
         """Positions the table can hold right now: len(table) * block_size."""
-        return len(self.block_ids) * self.block_size
+        return self._len * self.block_size
 
     # ---- slot arithmetic -----------------------------------------------------------------
 
@@ -63,10 +97,9 @@ class BlockTable:
         """table[position // block_size] * block_size + position % block_size."""
         if not 0 <= position < self.num_slots:
             raise IndexError(
-                f"position {position} has no slot: the table holds {len(self.block_ids)} "
+                f"position {position} has no slot: the table holds {self._len} "
                 f"blocks = positions [0, {self.num_slots})")
-        block_id = self.block_ids[position // self.block_size]
-        return block_id * self.block_size + position % self.block_size
+        return int(slot_mapping(self.array, position, self.block_size))
 
     def slots(self, start: int, end: int) -> list[int]:
         """Slots of positions [start, end), in order (the `slot_mapping` of a chunk)."""
@@ -75,17 +108,8 @@ class BlockTable:
         if start < 0 or end > self.num_slots:
             raise IndexError(
                 f"positions [{start}, {end}) do not all have slots: the table holds "
-                f"{len(self.block_ids)} blocks = positions [0, {self.num_slots})")
-        # Walk block by block: within one block the slots are consecutive.
-        out: list[int] = []
-        position = start
-        while position < end:
-            logical, offset = divmod(position, self.block_size)
-            run = min(self.block_size - offset, end - position)
-            first = self.block_ids[logical] * self.block_size + offset
-            out.extend(range(first, first + run))
-            position += run
-        return out
+                f"{self._len} blocks = positions [0, {self.num_slots})")
+        return slot_mapping(self.array, np.arange(start, end), self.block_size).tolist()
 
     def logical_blocks_of_range(self, start: int, end: int) -> range:
         """Logical block indices touched by positions [start, end) (empty if start == end)."""
@@ -96,23 +120,32 @@ class BlockTable:
     # ---- edits (done by the KVCacheManager) ----------------------------------------------
 
     def append(self, block_id: int) -> None:
-        self.block_ids.append(block_id)
+        if self._len == len(self._ids):
+            grown = np.empty(2 * len(self._ids), dtype=np.int32)
+            grown[:self._len] = self._ids[:self._len]
+            self._ids = grown
+        self._ids[self._len] = block_id
+        self._len += 1
 
     def replace(self, logical: int, block_id: int) -> int:
         """Point logical block `logical` at a new physical block (copy-on-write); returns
         the old physical id."""
-        old = self.block_ids[logical]
-        self.block_ids[logical] = block_id
+        if not 0 <= logical < self._len:
+            raise IndexError(f"logical block {logical} not in a table of {self._len} blocks")
+        old = int(self._ids[logical])
+        self._ids[logical] = block_id
         return old
 
     def copy(self) -> BlockTable:
-        return BlockTable(self.block_size, self.block_ids)
+        return BlockTable(self.block_size, self.array)
 
     def __len__(self) -> int:
-        return len(self.block_ids)
+        return self._len
 
     def __getitem__(self, logical: int) -> int:
-        return self.block_ids[logical]
+        if not -self._len <= logical < self._len:
+            raise IndexError(f"logical block {logical} not in a table of {self._len} blocks")
+        return int(self._ids[logical % self._len])
 
     def __iter__(self):
         return iter(self.block_ids)

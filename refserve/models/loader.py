@@ -12,6 +12,8 @@ wrong, and (c) notice a truncated file before reading garbage.
 
 Every error is a `ModelLoadError` (a `ValueError`) whose message names the file or tensor and
 what was expected; a missing folder is a `FileNotFoundError`.
+
+`load_model(folder, backend)` is the entry point: config, weights, then the `LlamaModel`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from refserve.models.llama import LlamaConfig
+from refserve.models.config import LlamaConfig
+from refserve.models.llama import LlamaModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -33,6 +36,12 @@ class ModelLoadError(ValueError):
 
 class UnsupportedModelError(ModelLoadError):
     """config.json describes an architecture refserve does not implement."""
+
+
+def load_model(folder: str | Path, backend, dtype=np.float32) -> LlamaModel:
+    """Load config and weights from an HF-format folder onto the backend, in `dtype`."""
+    config = load_config(folder)
+    return LlamaModel(config, load_weights(folder, config), backend, dtype)
 
 
 def load_config(folder: str | Path) -> LlamaConfig:
