@@ -41,13 +41,14 @@ def test_prefix_cache_computes_only_the_remainder(tiny_folder):
         [prefix + tail], params)[0]
     llm.generate([prefix + [7, 8, 9]], params)                 # warms the 3 prefix blocks
     computed = []
-    original = engine.runner.execute
+    original = engine.runner.prepare
 
-    def counting_execute(entries, block_copies=()):
-        computed.append(sum(len(e.token_ids) for e in entries))
-        return original(entries, block_copies)
+    def counting_prepare(out):
+        inputs = original(out)
+        computed.append(len(inputs.input_ids))
+        return inputs
 
-    engine.runner.execute = counting_execute
+    engine.runner.prepare = counting_prepare
     out = llm.generate([prefix + tail], params)[0]
     assert out.metrics.num_cached_tokens == 12
     # Prefill computed only the 5 tail tokens, then 5 decode steps of one token each.
@@ -61,20 +62,25 @@ def test_parallel_sampling_shares_prompt_blocks_and_matches_single_runs(tiny_fol
     prompt = np.random.default_rng(1).integers(3, VOCAB, size=10).tolist()  # 2.5 blocks
     params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True)
     computed, copies = [], []
-    original = llm.engine.runner.execute
+    runner = llm.engine.runner
+    original_prepare, original_copy = runner.prepare, runner.copy_blocks
 
-    def spy(entries, block_copies=()):
-        computed.append(sum(len(e.token_ids) for e in entries))
+    def spy_prepare(out):
+        inputs = original_prepare(out)
+        computed.append(len(inputs.input_ids))
+        return inputs
+
+    def spy_copy(block_copies):
         copies.extend(block_copies)
-        return original(entries, block_copies)
+        return original_copy(block_copies)
 
-    llm.engine.runner.execute = spy
+    runner.prepare, runner.copy_blocks = spy_prepare, spy_copy
     out = llm.generate([prompt], params)[0]
     assert computed[0] == 10          # the prompt is computed once, not four times
     assert len(copies) == 3           # the shared partial last block: 3 copies, last in place
     assert len(out.outputs) == 4 and all(len(c.token_ids) == 8 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    llm.engine.runner.execute = original
+    runner.prepare, runner.copy_blocks = original_prepare, original_copy
     for i, child in enumerate(out.outputs):
         alone = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0,
                                                       seed=123 + i, ignore_eos=True))[0]
@@ -104,7 +110,7 @@ def test_seeded_sampling_independent_of_batch(tiny_folder):
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
     ({"top_k": -2}, "top_k"),
     ({"n": 0}, "n"),
 ])
@@ -184,17 +190,17 @@ def test_failing_step_names_requests_and_keeps_pool_consistent(tiny_folder):
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     engine.add_request("r1", [4, 5, 6, 7, 8], params)
     engine.add_request("r2", [9, 10, 11], params)
-    original = engine.runner.execute
+    original = engine.runner.forward
 
     def boom(*a, **k):
         raise RuntimeError("injected model failure")
 
-    engine.runner.execute = boom
+    engine.runner.forward = boom
     with pytest.raises(EngineStepError, match=r"\['r1', 'r2'\].*injected") as info:
         engine.step()
     assert info.value.request_ids == ["r1", "r2"]
     engine.kv_cache_manager.check_invariants()
-    engine.runner.execute = original
+    engine.runner.forward = original
     done = {}
     while engine.has_unfinished():
         for o in engine.step():

@@ -1,0 +1,179 @@
+"""`SamplingParams`: what one request asks for. Names, defaults and meanings are vLLM's.
+
+| field | default | meaning |
+| --- | --- | --- |
+| n | 1 | samples per prompt (children share the prompt's blocks, copy-on-write) |
+| max_tokens | 16 | most output tokens; None: up to max_model_len |
+| min_tokens | 0 | EOS and stop_token_ids are suppressed until this many output tokens |
+| temperature | 1.0 | logits / T before softmax; 0 means greedy (argmax) |
+| top_k | 0 | keep the k most likely tokens; 0 or -1: off (-1 is stored as 0) |
+| top_p | 1.0 | keep the smallest most-likely set whose mass reaches top_p (nucleus) |
+| min_p | 0.0 | keep tokens with p >= min_p * max(p) |
+| repetition_penalty | 1.0 | HF/vLLM: tokens seen in prompt or output: logit / r if > 0, else * r |
+| presence_penalty | 0.0 | OpenAI: subtract once from every token seen in the output |
+| frequency_penalty | 0.0 | OpenAI: subtract per occurrence in the output |
+| seed | None | per-request random stream; -1 means None |
+| stop | [] | stop strings (a single string is accepted) |
+| stop_token_ids | [] | token ids that end the sequence (besides EOS) |
+| include_stop_str_in_output | False | keep the matched stop string in the text |
+| ignore_eos | False | EOS does not end the sequence |
+| logprobs | None | per generated token: top-N logprobs plus the sampled token's |
+| prompt_logprobs | None | per prompt token: top-N logprobs plus the prompt token's |
+
+Every field is checked for its type (TypeError) and its range (ValueError) at construction,
+with a message that starts `SamplingParams.<field>=<value>:`. Integers may be Python or NumPy
+integers, floats any real number; bools are not numbers here (`n=True` is a mistake), and
+strings are never parsed (`temperature="0.5"` is a mistake). Accepted values are stored as
+plain Python `int` / `float` / `list`, so the rest of the engine never sees NumPy scalars.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+# Field name -> (kind, allows None). kind: "int" | "float" | "bool".
+_SCALARS = {
+    "n": ("int", False), "max_tokens": ("int", True), "min_tokens": ("int", False),
+    "temperature": ("float", False), "top_k": ("int", False), "top_p": ("float", False),
+    "min_p": ("float", False), "repetition_penalty": ("float", False),
+    "presence_penalty": ("float", False), "frequency_penalty": ("float", False),
+    "seed": ("int", True), "logprobs": ("int", True), "prompt_logprobs": ("int", True),
+    "ignore_eos": ("bool", False), "include_stop_str_in_output": ("bool", False),
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (see the module docstring for each field)."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def _error(self, exc: type[Exception], name: str, why: str) -> Exception:
+        return exc(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+    def validate(self) -> None:
+        """Check and normalise every field; raises TypeError / ValueError naming the field."""
+        self._check_types()
+        if self.seed == -1:
+            self.seed = None        # vLLM: -1 means "no seed"
+        if self.top_k == -1:
+            self.top_k = 0          # vLLM: 0 and -1 both mean "off"; one spelling inside
+
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise self._error(ValueError, name, why)
+
+        check(self.n >= 1, "n", "must be an integer >= 1")
+        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+              "must be an integer >= 1, or None for 'up to max_model_len'")
+        check(self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"must be <= max_tokens={self.max_tokens}")
+        check(np.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+              "must be a finite number >= 0 (0 means greedy)")
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(self.top_k >= 0, "top_k", "must be 0 or -1 (off) or an integer >= 1")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(np.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+              "repetition_penalty", "must be a finite number > 0 (1 means off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check(-2.0 <= getattr(self, name) <= 2.0, name, "must be in [-2, 2] (0 means off)")
+        check(self.seed is None or self.seed >= 0, "seed",
+              "must be an integer >= 0, or None / -1 for an unseeded request")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or value >= 0, name,
+                  "must be None or an integer >= 0 (how many top tokens to report)")
+        check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "token ids must be >= 0")
+
+    def _check_types(self) -> None:
+        for name, (kind, nullable) in _SCALARS.items():
+            value = getattr(self, name)
+            if value is None and nullable:
+                continue
+            if kind == "bool":
+                if not isinstance(value, (bool, np.bool_)):
+                    raise self._error(TypeError, name, f"must be True or False, got "
+                                      f"{type(value).__name__}")
+                setattr(self, name, bool(value))
+            elif kind == "int":
+                if not _is_int(value):
+                    what = "an integer" + (" or None" if nullable else "")
+                    raise self._error(TypeError, name,
+                                      f"must be {what}, got {type(value).__name__}")
+                setattr(self, name, int(value))
+            else:
+                if not _is_real(value):
+                    raise self._error(TypeError, name,
+                                      f"must be a number, got {type(value).__name__}")
+                setattr(self, name, float(value))
+        # stop: None, one string, or a sequence of strings.
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            self.stop = list(self.stop)
+        else:
+            raise self._error(TypeError, "stop", "must be a string, a list of strings or None")
+        # stop_token_ids: None or a sequence of integers (a NumPy array included).
+        ids = self.stop_token_ids
+        if ids is None:
+            self.stop_token_ids = []
+        elif (isinstance(ids, (list, tuple, np.ndarray)) and np.ndim(ids) == 1
+              and all(_is_int(t) for t in ids)):
+            self.stop_token_ids = [int(t) for t in ids]
+        else:
+            raise self._error(TypeError, "stop_token_ids",
+                              "must be a list of integer token ids or None")
+
+    # ---- derived values ----------------------------------------------------------------
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: argmax, no random draw."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of repetition / presence / frequency penalty changes the logits."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def max_output_tokens(self, num_prompt_tokens: int, max_model_len: int) -> int:
+        """How many tokens this request may generate: max_tokens, capped by what is left of
+        max_model_len after the prompt (max_tokens=None: all of it)."""
+        room = max(max_model_len - num_prompt_tokens, 0)
+        return room if self.max_tokens is None else min(self.max_tokens, room)
