@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refserve.spec_decode import warping
 from refserve.spec_decode.metrics import SpecDecodeStats, expected_tokens_per_pass
 from refserve.spec_decode.warping import warp_probs, warp_target_and_draft
 
@@ -56,12 +57,19 @@ def test_batched_warp_equals_the_rule_row_by_row(rows):
     temperature = np.array([r[1] for r in rows])
     top_k = np.array([r[2] for r in rows])
     top_p = np.array([r[3] for r in rows])
-    probs = warp_probs(logits, temperature, top_k, top_p)
-    assert probs.dtype == np.float32
-    for i, (row_logits, t, k, p) in enumerate(rows):
-        expected = reference_row(np.float32(row_logits), t, k, p)
-        np.testing.assert_allclose(probs[i], expected, atol=2e-6)
-        assert ((probs[i] == 0) == (expected == 0)).all(), "support differs"
+    # Top-p sorts only the most likely candidates first: 2 of 5 exercises both that path
+    # and the fall-back to the whole row.
+    for candidates in (2, warping._NUCLEUS_CANDIDATES):
+        saved, warping._NUCLEUS_CANDIDATES = warping._NUCLEUS_CANDIDATES, candidates
+        try:
+            probs = warp_probs(logits, temperature, top_k, top_p)
+        finally:
+            warping._NUCLEUS_CANDIDATES = saved
+        assert probs.dtype == np.float32
+        for i, (row_logits, t, k, p) in enumerate(rows):
+            expected = reference_row(np.float32(row_logits), t, k, p)
+            np.testing.assert_allclose(probs[i], expected, atol=2e-6)
+            assert ((probs[i] == 0) == (expected == 0)).all(), "support differs"
 
 
 def test_p_and_q_are_warped_with_the_same_request_settings():

@@ -54,28 +54,51 @@ def warp_probs(
         return probs
     x = logits[s] / temperature[s, None].astype(dtype)
     k = top_k[s]
-    cut = np.flatnonzero((k > 0) & (k < vocab))
-    if len(cut) > 0:
-        # The k-th largest value of each row; everything below it is removed.
-        kth = -np.sort(-x[cut], axis=-1)[np.arange(len(cut)), k[cut] - 1]
-        x[cut] = np.where(x[cut] >= kth[:, None], x[cut], -np.inf)
+    cut = (k > 0) & (k < vocab)
+    for kk in np.unique(k[cut]):  # usually one value: one partition over those rows
+        rows = np.flatnonzero(cut & (k == kk))
+        # The kk-th largest value of each row (a partition, not a full sort); below it: out.
+        kth = np.partition(x[rows], vocab - kk, axis=-1)[:, vocab - kk]
+        x[rows] = np.where(x[rows] >= kth[:, None], x[rows], -np.inf)
     x -= x.max(axis=-1, keepdims=True)
     e = np.exp(x)
     e /= e.sum(axis=-1, keepdims=True)
 
-    nucleus = np.flatnonzero(top_p[s] < 1.0)
-    if len(nucleus) > 0:
-        rows = e[nucleus]
-        order = np.argsort(-rows, axis=-1, kind="stable")
-        sorted_probs = np.take_along_axis(rows, order, axis=-1)
-        mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = mass_before < top_p[s][nucleus, None]
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        rows = np.where(keep, rows, 0.0)
-        e[nucleus] = rows / rows.sum(axis=-1, keepdims=True)
+    for i in np.flatnonzero(top_p[s] < 1.0):
+        row = np.where(_nucleus(e[i], top_p[s][i]), e[i], 0.0)
+        e[i] = row / row.sum()
     probs[s] = e
     return probs
+
+
+# top-p sorts only the most likely tokens first; the full vocabulary only when their mass
+# falls short of top_p (a flat distribution).
+_NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Boolean mask of the top-p nucleus of one row [V]: in descending order of probability
+    (ties by token index), keep a token iff the mass strictly before it is < top_p.
+
+    Sorting 49k tokens per row is the slow part, so only the candidates, every token at
+    least as likely as the 1024th most likely one, are sorted. They are a prefix of the full
+    order (every other token is strictly less likely), so their running sums are the same;
+    once that prefix reaches top_p no later token can be kept, and the answer is exact.
+    """
+    vocab = len(probs)
+    candidates = np.arange(vocab)
+    if vocab > _NUCLEUS_CANDIDATES:
+        top = np.partition(probs, vocab - _NUCLEUS_CANDIDATES)[vocab - _NUCLEUS_CANDIDATES]
+        candidates = np.flatnonzero(probs >= top)
+    for tokens in (candidates, np.arange(vocab)):
+        order = tokens[np.lexsort((tokens, -probs[tokens]))]  # by -p, then by index
+        sorted_probs = probs[order]
+        mass = np.cumsum(sorted_probs)
+        if mass[-1] >= top_p or len(tokens) == vocab:
+            break
+    keep = np.zeros(vocab, dtype=bool)
+    keep[order[mass - sorted_probs < top_p]] = True
+    return keep
 
 
 def warp_target_and_draft(
