@@ -1,0 +1,13 @@
+"""Entry points that put the engine behind a network API.
+
+| module | holds |
+| --- | --- |
+| `engine_args.py` | the engine flags (vLLM's names), shared by the server and the benches |
+| `async_engine.py` | `AsyncEngine`: a background thread steps the engine; requests hand off |
+| `protocol.py` | OpenAI request bodies → `SamplingParams`; response and error shapes |
+| `detokenize.py` | streaming deltas, holding back what a stop string may still cut |
+| `prometheus.py` | `/metrics` in Prometheus text: gauges, counters, TTFT/TPOT histograms |
+| `openai_server.py` | the FastAPI app: `/v1/completions`, `/v1/chat/completions`, ... |
+
+`python -m refserve.serve` (refserve/serve.py) wires them together and runs uvicorn.
+"""

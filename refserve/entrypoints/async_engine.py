@@ -1,0 +1,242 @@
+"""`AsyncEngine`: one engine loop in a background thread, fed by asyncio request handlers.
+
+Who touches what
+    engine thread   the only caller of the `LLMEngine`. Each turn of its loop it applies the
+                    queued adds and aborts, runs one `step()`, hands the outputs out and takes
+                    a gauge snapshot for /metrics, all under `lock` (anyone else who wants to
+                    read engine state takes the lock too).
+    asyncio loop    (uvicorn's) never calls the engine and never waits for a step: it appends
+                    an add or an abort to the inbox and wakes the engine thread. Outputs come
+                    back on the caller's `asyncio.Queue`, put there with
+                    `loop.call_soon_threadsafe` because asyncio queues are not thread-safe.
+
+Every request gets exactly one outcome (the `outcome` counter of `ServerMetrics`):
+    rejected   its add failed: bad input (`ValueError`, HTTP 400) or the waiting queue already
+               holds `max_waiting` sequences (`QueueFull`, HTTP 503)
+    finished   its last `RequestOutput` (finished=True) was delivered
+    aborted    the client went away: `abort()`; its KV blocks are freed at the next step
+               boundary (a forward in flight cannot be interrupted)
+    failed     a step raised for it: it is aborted and a `RequestFailed` is delivered (HTTP
+               500); the other requests and the loop carry on
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from refserve.entrypoints.prometheus import ServerMetrics
+from refserve.sampling import SamplingParams
+
+
+class QueueFull(Exception):
+    """The waiting queue holds `max_waiting` sequences: come back later (HTTP 503)."""
+
+
+@dataclass
+class RequestFailed:
+    """Delivered instead of an output when a step failed for this request (HTTP 500)."""
+    request_id: str
+    message: str
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    accepted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Consumer:
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.sink.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_waiting: int = 1024,
+                 metrics: ServerMetrics | None = None) -> None:
+        if not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting!r}: must be an integer >= 1")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics or ServerMetrics()
+        self.lock = threading.Lock()            # held while the engine is touched
+        self._inbox: list[_Add | _Abort] = []
+        self._inbox_lock = threading.Lock()     # guards only the list swap
+        self._wake = threading.Event()
+        self._consumers: dict[str, _Consumer] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.num_steps_failed = 0
+        self._snapshot()
+
+    # ---------------------------------------------------------------- asyncio side
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="refserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  sink: asyncio.Queue, arrival_time: float | None = None) -> None:
+        """Queue a request; returns once the engine took it. Outputs (and a `RequestFailed`,
+        if a step fails for it) then arrive on `sink`. Raises ValueError (bad input, the
+        engine's message) or QueueFull; in both cases nothing of the request is left."""
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+        self._post(_Add(request_id, prompt_token_ids, params,
+                        time.perf_counter() if arrival_time is None else arrival_time,
+                        sink, loop, accepted))
+        await accepted
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone). Safe to call for finished or unknown ids."""
+        self._post(_Abort(request_id))
+
+    def _post(self, op) -> None:
+        with self._inbox_lock:
+            self._inbox.append(op)
+        self._wake.set()
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests the engine holds for a consumer right now."""
+        return list(self._consumers)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while True:
+            with self._inbox_lock:
+                # Clear before taking the inbox: a post after the swap sets the event again,
+                # so no wake-up is lost.
+                self._wake.clear()
+                ops, self._inbox = self._inbox, []
+            if self._stopping:
+                self._shut_down(ops)
+                return
+            with self.lock:
+                for op in ops:
+                    self._apply(op)
+                busy = self.engine.has_unfinished()
+                if busy:
+                    self._step()
+                try:
+                    self._snapshot()
+                except Exception:  # noqa: BLE001 - stale gauges must not stop serving
+                    traceback.print_exc()
+            if not busy:
+                self._wake.wait()
+
+    def _apply(self, op) -> None:
+        if isinstance(op, _Abort):
+            self._consumers.pop(op.request_id, None)
+            if self.engine.abort(op.request_id):
+                self.metrics.count_outcome("aborted")
+            return
+        try:
+            # Sequences, not requests: an n-way request occupies n seats once it runs.
+            if self.engine.scheduler.num_waiting >= self.max_waiting:
+                raise QueueFull(f"the waiting queue is full ({self.max_waiting} sequences "
+                                "waiting); retry later")
+            self.engine.add_request(op.request_id, op.prompt_token_ids, op.params,
+                                    arrival_time=op.arrival_time)
+        except Exception as e:  # noqa: BLE001 - any error belongs to this request alone
+            # ValueError (bad input) and QueueFull are the caller's to fix: rejected.
+            # Anything else is a server fault: failed (HTTP 500).
+            rejected = isinstance(e, (ValueError, QueueFull))
+            self.metrics.count_outcome("rejected" if rejected else "failed")
+            op.loop.call_soon_threadsafe(_settle, op.accepted, e)
+            return
+        self._consumers[op.request_id] = _Consumer(op.sink, op.loop)
+        self.metrics.count_prompt_tokens(len(op.prompt_token_ids))
+        op.loop.call_soon_threadsafe(_settle, op.accepted, None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.num_steps_failed += 1
+            # An EngineStepError names the requests of the failed batch; anything else
+            # (nothing schedulable, a bug) leaves no one else to blame but all in flight.
+            ids = getattr(e, "request_ids", None) or list(self._consumers)
+            for request_id in ids:
+                self._fail(request_id, f"the engine step failed: {e}")
+            return
+        for out in outputs:
+            consumer = self._consumers.get(out.request_id)
+            if consumer is None:
+                continue
+            if out.finished:
+                del self._consumers[out.request_id]
+                self.metrics.observe_finished(out)
+            consumer.put(out)
+
+    def _fail(self, request_id: str, message: str) -> None:
+        consumer = self._consumers.pop(request_id, None)
+        try:
+            self.engine.abort(request_id)  # frees its blocks; the pool stays consistent
+        except Exception:  # noqa: BLE001 - the request is gone either way
+            pass
+        if consumer is not None:
+            self.metrics.count_outcome("failed")
+            consumer.put(RequestFailed(request_id, message))
+
+    def _shut_down(self, ops) -> None:
+        with self.lock:
+            for op in ops:
+                if isinstance(op, _Add):
+                    self.metrics.count_outcome("rejected")
+                    op.loop.call_soon_threadsafe(
+                        _settle, op.accepted, QueueFull("the server is shutting down"))
+            for request_id in list(self._consumers):
+                self._fail(request_id, "the server is shutting down")
+
+    def _snapshot(self) -> None:
+        """Gauges for /metrics, read without the lock (one attribute assignment)."""
+        engine = self.engine
+        kv = engine.kv_cache_manager
+        stats = engine.stats()
+        queried = stats.get("prefix_cache_queried_tokens", 0)
+        self.metrics.gauges = {
+            "num_requests_running": engine.scheduler.num_running,
+            "num_requests_waiting": engine.scheduler.num_waiting,
+            "kv_cache_blocks_used": kv.num_blocks - kv.num_free_blocks,
+            "kv_cache_blocks_total": kv.num_blocks,
+            "prefix_cache_hit_rate": (stats.get("prefix_cache_hit_tokens", 0) / queried
+                                      if queried else 0.0),
+            "num_preemptions": stats.get("num_preemptions", 0),
+            "num_steps": stats.get("num_steps", 0),
+        }
+
+
+def _settle(future: asyncio.Future, error: Exception | None) -> None:
+    if future.done():  # the handler was cancelled (client gone) before the engine answered
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

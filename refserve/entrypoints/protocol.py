@@ -1,0 +1,275 @@
+"""OpenAI's request and response shapes, mapped one to one onto refserve's `SamplingParams`.
+
+    request field          SamplingParams      notes
+    max_tokens             max_tokens          chat also takes max_completion_tokens;
+                                               default 16 (completions) or what the context
+                                               has left (chat), as OpenAI and vLLM do
+    temperature            temperature         default 1.0; 0 = greedy
+    top_p, n, seed, stop   same names          stop: a string or a list of strings
+    top_k, ignore_eos,     same names          extras (vLLM accepts them too)
+    stop_token_ids, min_p, min_tokens,
+    presence_penalty, frequency_penalty,
+    repetition_penalty, include_stop_str_in_output
+
+Every check raises `APIError` naming the offending field (`param`), which the server
+returns as OpenAI's error body with HTTP 400:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p",
+               "code": null}}
+
+Fields OpenAI defines that refserve does not implement (logprobs, echo, penalties, ...)
+are refused with 400 when set to anything but their neutral value, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from refserve.sampling import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = (
+            message, param, status, type, code)
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Optional SamplingParams fields passed through when the request sets them; SamplingParams
+# checks their ranges and its error names the field.
+EXTRA_FIELDS = {"min_p": ((int, float), "a number"), "min_tokens": ((int,), "an integer"),
+                "presence_penalty": ((int, float), "a number"),
+                "frequency_penalty": ((int, float), "a number"),
+                "repetition_penalty": ((int, float), "a number"),
+                "include_stop_str_in_output": ((bool,), "true or false")}
+
+# Unsupported OpenAI fields and the value that means "off".
+UNSUPPORTED_NEUTRAL = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
+                       "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+                       "logit_bias": (None, {}), "tools": (None, []),
+                       "response_format": (None, {"type": "text"})}
+
+
+@dataclass
+class GenerationRequest:
+    """One parsed request: what to generate and how. `prompts` holds strings or token-id
+    lists (completions may batch several prompts; chat has exactly one)."""
+    kind: str                          # "completion" | "chat"
+    model: str | None
+    prompts: list[str | list[int]]
+    sampling: dict                     # SamplingParams fields except max_tokens
+    max_tokens: int | None             # None: the default, resolved once the prompt is known
+    stream: bool = False
+    include_usage: bool = False
+    messages: list[dict] = field(default_factory=list)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, **self.sampling)
+        except ValueError as e:
+            # SamplingParams names the field as "SamplingParams.<name>=<value>: why".
+            text = str(e)
+            name = text.split("=", 1)[0].removeprefix("SamplingParams.") if "=" in text else None
+            raise APIError(text, name) from e
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
+    """body[name] if present and of one of `kinds` (bool is never an int or a number)."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise APIError(f"'{name}' must be {what}, got {value!r}", name)
+    if not isinstance(value, kinds):
+        raise APIError(f"'{name}' must be {what}, got {type(value).__name__} {value!r}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise APIError(f"'{name}' must be a finite number, got {value!r}", name)
+    return value
+
+
+def _common(body: dict, max_tokens_names: tuple[str, ...]) -> tuple[dict, int | None, bool,
+                                                                       bool, str | None]:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    for name, neutral in UNSUPPORTED_NEUTRAL.items():
+        if name in body and body[name] not in neutral:
+            raise APIError(f"'{name}' is not supported by refserve; leave it out", name)
+    model = _get(body, "model", (str,), "a string")
+    max_tokens = None
+    for name in max_tokens_names:
+        value = _get(body, name, (int,), "an integer >= 1")
+        if value is not None:
+            if value < 1:
+                raise APIError(f"'{name}' must be an integer >= 1, got {value}", name)
+            max_tokens = value
+    n = _get(body, "n", (int,), "an integer >= 1", 1)
+    if n < 1:
+        raise APIError(f"'n' must be an integer >= 1, got {n}", "n")
+    temperature = float(_get(body, "temperature", (int, float), "a number >= 0", 1.0))
+    if temperature < 0:
+        raise APIError(f"'temperature' must be >= 0 (0 = greedy), got {temperature}",
+                       "temperature")
+    top_p = float(_get(body, "top_p", (int, float), "a number in (0, 1]", 1.0))
+    if not 0.0 < top_p <= 1.0:
+        raise APIError(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    top_k = _get(body, "top_k", (int,), "-1 (off) or an integer >= 1", -1)
+    top_k = -1 if top_k == 0 else top_k          # vLLM reads 0 as "off" too
+    if top_k < -1:
+        raise APIError(f"'top_k' must be -1 (off) or an integer >= 1, got {top_k}", "top_k")
+    seed = _get(body, "seed", (int,), "a non-negative integer")
+    if seed is not None and seed < 0:
+        raise APIError(f"'seed' must be a non-negative integer, got {seed}", "seed")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list)
+                             or any(not isinstance(s, str) or not s for s in stop)):
+        raise APIError("'stop' must be a non-empty string or a list of non-empty strings",
+                       "stop")
+    stop_token_ids = body.get("stop_token_ids") or []
+    if (not isinstance(stop_token_ids, list)
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                   for t in stop_token_ids)):
+        raise APIError("'stop_token_ids' must be a list of non-negative integers",
+                       "stop_token_ids")
+    ignore_eos = _get(body, "ignore_eos", (bool,), "true or false", False)
+    stream = _get(body, "stream", (bool,), "true or false", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise APIError("'stream_options' must be an object", "stream_options")
+        if not stream:
+            raise APIError("'stream_options' is only allowed with 'stream': true",
+                           "stream_options")
+        include_usage = _get(options, "include_usage", (bool,), "true or false", False)
+    sampling = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                    stop=stop or [], stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name, (kinds, what) in EXTRA_FIELDS.items():
+        value = _get(body, name, kinds, what)
+        if value is not None:
+            if name not in known:
+                raise APIError(f"'{name}' is not supported by this refserve version", name)
+            sampling[name] = value
+    return sampling, max_tokens, stream, include_usage, model
+
+
+def parse_completion_request(body: dict) -> GenerationRequest:
+    sampling, max_tokens, stream, include_usage, model = _common(body, ("max_tokens",))
+    prompt = body.get("prompt")
+    what = ("'prompt' must be a non-empty string, a list of strings, a list of token ids or "
+            "a list of token-id lists")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and all(_is_token_id(t) for t in p))
+            for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise APIError(what, "prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise APIError(what + "; got an empty prompt", "prompt")
+    return GenerationRequest("completion", model, prompts, sampling, max_tokens, stream,
+                             include_usage)
+
+
+def parse_chat_request(body: dict) -> GenerationRequest:
+    sampling, max_tokens, stream, include_usage, model = _common(
+        body, ("max_tokens", "max_completion_tokens"))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list of {role, content} objects",
+                       "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant",
+                                                             "developer"):
+            raise APIError(f"'{where}' must be an object whose role is system, developer, "
+                           "user or assistant", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": "..."}]
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise APIError(f"'{where}.content' parts must be text parts; refserve reads "
+                               "text only", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(f"'{where}.content' must be a string", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        clean.append({"role": role, "content": content})
+    return GenerationRequest("chat", model, [], sampling, max_tokens, stream, include_usage,
+                             messages=clean)
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_body(kind: str, request_id: str, model: str, choices: list[tuple[int, str, str]],
+                  prompt_tokens: int, completion_tokens: int) -> dict:
+    """choices: (index, text, finish_reason)."""
+    if kind == "chat":
+        rows = [{"index": i, "message": {"role": "assistant", "content": text},
+                 "logprobs": None, "finish_reason": reason} for i, text, reason in choices]
+        obj = "chat.completion"
+    else:
+        rows = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                for i, text, reason in choices]
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
+            "choices": rows, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk_body(kind: str, request_id: str, model: str, created: int, index: int,
+               text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    """One streamed delta of one choice."""
+    if kind == "chat":
+        delta = {"role": "assistant", "content": ""} if role else (
+            {} if text is None else {"content": text})
+        choice = {"index": index, "delta": delta, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(kind: str, request_id: str, model: str, created: int, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """The last chunk when stream_options.include_usage: no choices, the totals."""
+    return {"id": request_id, "object": "chat.completion.chunk" if kind == "chat"
+            else "text_completion", "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
