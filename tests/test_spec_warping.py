@@ -12,27 +12,23 @@ from refserve.spec_decode.metrics import SpecDecodeStats, expected_tokens_per_pa
 from refserve.spec_decode.warping import warp_probs, warp_target_and_draft
 
 
-def reference_row(logits, temperature, top_k, top_p):
+def reference_row(logits, temperature, top_k, top_p, min_p=0.0):
     """The rule for one row, written out by hand in float64 from the definitions."""
     logits = np.asarray(logits, np.float64)
-    if temperature == 0:
+    if temperature < 1e-5:
         out = np.zeros_like(logits)
         out[np.argmax(logits)] = 1.0
         return out
     x = logits / temperature
-    if top_k != -1 and top_k < len(x):
-        kth = sorted(x, reverse=True)[top_k - 1]
-        x = np.where(x >= kth, x, -np.inf)
     p = np.exp(x - x.max())
     p /= p.sum()
+    keep = p >= min_p * p.max()
+    if top_k > 0:
+        keep &= x >= sorted(x, reverse=True)[top_k - 1]
+    p = np.where(keep, p, 0.0) / p[keep].sum()
     if top_p < 1.0:
-        keep, mass = np.zeros(len(p), bool), 0.0
-        for i in sorted(range(len(p)), key=lambda i: -p[i]):  # stable: ties by index
-            if mass >= top_p:
-                break
-            keep[i] = True
-            mass += p[i]
-        p = np.where(keep, p, 0.0)
+        # Keep t iff the tokens strictly more likely than t hold less than top_p.
+        p = np.array([pt if pt > 0 and p[p > pt].sum() < top_p else 0.0 for pt in p])
         p /= p.sum()
     return p
 
@@ -44,8 +40,9 @@ def reference_row(logits, temperature, top_k, top_p):
             st.lists(st.sampled_from([-2.0, -1.0, 0.0, 0.0, 0.5, 1.0, 3.0]), min_size=5,
                      max_size=5),
             st.sampled_from([0.0, 0.3, 1.0, 2.5]),
-            st.sampled_from([-1, 1, 2, 4, 5]),
+            st.sampled_from([-1, 0, 1, 2, 4, 5]),
             st.sampled_from([1.0, 0.9, 0.5, 0.1]),
+            st.sampled_from([0.0, 0.0, 0.2, 0.9]),
         ),
         min_size=1, max_size=6,
     )
@@ -57,19 +54,39 @@ def test_batched_warp_equals_the_rule_row_by_row(rows):
     temperature = np.array([r[1] for r in rows])
     top_k = np.array([r[2] for r in rows])
     top_p = np.array([r[3] for r in rows])
+    min_p = np.array([r[4] for r in rows])
     # Top-p sorts only the most likely candidates first: 2 of 5 exercises both that path
     # and the fall-back to the whole row.
     for candidates in (2, warping._NUCLEUS_CANDIDATES):
         saved, warping._NUCLEUS_CANDIDATES = warping._NUCLEUS_CANDIDATES, candidates
         try:
-            probs = warp_probs(logits, temperature, top_k, top_p)
+            probs = warp_probs(logits, temperature, top_k, top_p, min_p)
         finally:
             warping._NUCLEUS_CANDIDATES = saved
         assert probs.dtype == np.float32
-        for i, (row_logits, t, k, p) in enumerate(rows):
-            expected = reference_row(np.float32(row_logits), t, k, p)
+        for i, (row_logits, t, k, p, m) in enumerate(rows):
+            expected = reference_row(np.float32(row_logits), t, k, p, m)
             np.testing.assert_allclose(probs[i], expected, atol=2e-6)
             assert ((probs[i] == 0) == (expected == 0)).all(), "support differs"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temperature=0.7), dict(temperature=1.3, top_k=3), dict(temperature=0.9, top_p=0.6),
+     dict(temperature=1.0, min_p=0.3, top_p=0.8), dict(temperature=0.0), dict(temperature=1e-6)],
+)
+def test_warp_is_the_distribution_the_sampler_draws_from(settings):
+    """Speculation must keep the distribution of ordinary sampling, so its p is exactly
+    refserve.sampling's: same rule, ties included (the logits repeat values)."""
+    from refserve.sampling import SamplingParams, probabilities
+
+    rng = np.random.default_rng(4)
+    logits = rng.integers(-8, 8, size=(6, 40)).astype(np.float32) / 2
+    params = SamplingParams(**settings)
+    ours = warp_target_and_draft(logits[None], None, [params])[0][0]
+    for row, probs in zip(logits, ours):
+        np.testing.assert_allclose(probs, probabilities(row, params), atol=2e-6)
+        assert ((probs == 0) == (probabilities(row, params) == 0)).all()
 
 
 def test_p_and_q_are_warped_with_the_same_request_settings():
