@@ -114,16 +114,16 @@ class Sampler:
                                 eos_token_id)
         if not len(x):
             return []
-        tokens = [0] * len(x)
+        greedy = [i for i, p in enumerate(params) if is_greedy(p)]
         rows = [i for i, p in enumerate(params) if not is_greedy(p)]
-        greedy_rows = [i for i, p in enumerate(params) if is_greedy(p)]
-        if greedy_rows:
-            argmax = np.argmax(x if len(greedy_rows) == len(x) else x[greedy_rows], axis=-1)
-            for i, t in zip(greedy_rows, argmax.tolist()):
+        tokens = [0] * len(x)
+        if greedy:
+            argmax = np.argmax(x if len(greedy) == len(x) else x[greedy], axis=-1)
+            for i, t in zip(greedy, argmax.tolist()):
                 tokens[i] = t
         sampled = x if len(rows) == len(x) else x[rows]
         for i, (ids, weights) in zip(rows, self.distributions(sampled, [params[i] for i in rows])):
-            k = inverse_cdf(weights, generators[i].random())
+            k = inverse_cdf(weights, generators[i].random())   # the row's one uniform
             tokens[i] = k if ids is None else int(ids[k])
         return tokens
 
@@ -171,19 +171,24 @@ class Sampler:
 
     def distributions(self, x: np.ndarray, params: Sequence[SamplingParams]
                       ) -> list[tuple[np.ndarray | None, np.ndarray]]:
-        """For each (non-greedy) row of processed logits x [R, V]: (ids, weights), the kept
-        token ids in increasing order (None: every token) and their unnormalised float32
-        probabilities exp((x - max) / T); the row's distribution is weights / sum(weights)."""
-        num_rows, vocab = x.shape
-        if not num_rows:
-            return []
+        """For each row of processed logits x [R, V]: (ids, weights), the kept token ids in
+        increasing order (None: every token) and their unnormalised float32 probabilities
+        exp((x - max) / T); the row's distribution is weights / sum(weights). A greedy row
+        keeps only its argmax."""
+        out: list[tuple[np.ndarray | None, np.ndarray]] = [
+            (np.array([np.argmax(x[r])]), np.ones(1, np.float32)) if is_greedy(p) else None
+            for r, p in enumerate(params)]
+        rows = [r for r, p in enumerate(params) if not is_greedy(p)]
+        if not rows:
+            return out
+        x = x if len(rows) == len(x) else x[rows]
+        params = [params[r] for r in rows]
         row_max = x.max(axis=-1)
         inv_t = np.array([1.0 / p.temperature for p in params], dtype=np.float32)
         kept = _kept_ids(x, row_max, inv_t, params)
-        out = []
-        for r in range(num_rows):
-            vals = x[r] if kept[r] is None else x[r, kept[r]]
-            out.append((kept[r], np.exp((vals - row_max[r]) * inv_t[r])))
+        for j, r in enumerate(rows):
+            vals = x[j] if kept[j] is None else x[j, kept[j]]
+            out[r] = (kept[j], np.exp((vals - row_max[j]) * inv_t[j]))
         return out
 
 
@@ -286,9 +291,6 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     renormalised; tokens outside get probability 0. Greedy: all mass on the argmax."""
     x = np.asarray(logits, dtype=np.float32)[None]
     probs = np.zeros(x.shape[-1])
-    if is_greedy(params):
-        probs[int(np.argmax(x))] = 1.0
-        return probs
     ((ids, weights),) = Sampler().distributions(x, [params])
     w = weights.astype(np.float64)
     probs[slice(None) if ids is None else ids] = w / w.sum()
