@@ -10,6 +10,13 @@ pytest_plugins = ["pytester"]
 
 CONFTEST = 'pytest_plugins = ["grading"]\n'
 
+
+def run_isolated(pytester, *args):
+    """Run in a fresh process with its own copy of the plugin: the generated files reuse
+    real module names (test_scheduler.py ...) that this process has already imported."""
+    pytester.makepyfile(grading=Path(grading.__file__).read_text())
+    return pytester.runpytest_subprocess(*args)
+
 # One file whose tests name their mechanisms themselves, one outcome of each kind.
 EXPLICIT = """
 import pytest
@@ -151,11 +158,11 @@ def test_modules_are_mapped_to_mechanisms_and_minus_m_selects_them(pytester):
         test_preemption_extra="def test_p(): pass\n",   # fallback: file name
         test_misc="def test_m(): pass\n",               # no rule: unmapped
     )
-    result = pytester.runpytest("-m", "scheduler", "-q", "--co")
+    result = run_isolated(pytester, "-m", "scheduler", "-q", "--co")
     result.stdout.fnmatch_lines(["*2/5 tests collected*"])
-    result = pytester.runpytest("-m", "chunked_prefill", "-q", "--co")
+    result = run_isolated(pytester, "-m", "chunked_prefill", "-q", "--co")
     result.stdout.fnmatch_lines(["test_scheduler.py::test_chunked_prefill_x", "*1/5 tests*"])
-    result = pytester.runpytest("--grade")
+    result = run_isolated(pytester, "--grade")
     assert table_row(result, "block_table")[1] == "1"
     assert table_row(result, "scheduler")[1] == "2"
     assert table_row(result, "chunked_prefill")[1] == "1"
@@ -166,7 +173,7 @@ def test_modules_are_mapped_to_mechanisms_and_minus_m_selects_them(pytester):
 def test_a_marker_written_in_the_test_file_wins_over_the_rules(pytester):
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_scheduler="import pytest\n@pytest.mark.cow\ndef test_x(): pass\n")
-    result = pytester.runpytest("--grade")
+    result = run_isolated(pytester, "--grade")
     assert table_row(result, "cow")[1] == "1"
     assert table_row(result, "scheduler")[1] == "0"
 
