@@ -108,7 +108,9 @@ class LLMEngine:
         self.progress = progress
         self.model_path = resolve_model_path(config.model, progress)
         self.backend = get_backend(config.backend)
-        self.model = load_model(self.model_path, self.backend)
+        # Weights and KV cache dtype; refused here (before loading) if the backend lacks it.
+        self.dtype = self.backend.resolve_dtype(config.dtype)
+        self.model = load_model(self.model_path, self.backend, self.dtype)
         self.tokenizer = load_tokenizer(self.model_path)
         mc = self.model.config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -118,33 +120,33 @@ class LLMEngine:
         self.eos_token_id = mc.eos_token_id
 
         # --- KV pool sizing: the blocks, not the weights, decide how many sequences fit.
+        # All arithmetic is refserve/capacity.py's; this only picks its inputs.
         contiguous = config.kv_cache_layout == "contiguous"
         self.block_size = self.max_model_len if contiguous else config.block_size
         bytes_per_token = capacity.kv_bytes_per_token(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, 4)
+            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+            capacity.DTYPE_BYTES[self.dtype.name])
         bytes_per_block = capacity.kv_bytes_per_block(bytes_per_token, self.block_size)
-        free_device = self.backend.free_device_memory()
         if config.num_gpu_blocks is not None:
             num_blocks = config.num_gpu_blocks
+            knob = f"num_gpu_blocks={num_blocks}"
         else:
+            free_device = self.backend.free_device_memory()
             if free_device is not None:
                 # GPU: the weights are already on the device, so what is free is what the KV
                 # pool may take, times the headroom factor gpu_memory_utilization.
-                budget, knob = int(free_device * config.gpu_memory_utilization), (
-                    f"gpu_memory_utilization={config.gpu_memory_utilization} of "
-                    f"{free_device} free bytes")
+                memory, utilization = free_device, config.gpu_memory_utilization
+                knob = f"gpu_memory_utilization={utilization} of {free_device} free bytes"
             else:
-                budget = config.kv_cache_memory
-                knob = f"kv_cache_memory={budget} bytes"
-            num_blocks = budget // bytes_per_block
-            if num_blocks < 1:
-                raise ValueError(
-                    f"{knob} is smaller than one KV block ({bytes_per_block} bytes = "
-                    f"{self.block_size} tokens × {bytes_per_token} bytes); give the KV cache "
-                    "more memory or lower block_size / max_model_len")
+                memory, utilization = config.kv_cache_memory, 1.0
+                knob = f"kv_cache_memory={memory} bytes"
+            num_blocks = capacity.num_blocks_for_memory(memory, utilization, 0, bytes_per_block)
             # More blocks than max_num_seqs full-length sequences can use is wasted memory.
             num_blocks = min(num_blocks, config.max_num_seqs * capacity.blocks_for_tokens(
                 self.max_model_len, self.block_size))
+        # A pool that cannot hold one max_model_len sequence would fail mid-run: refuse now.
+        capacity.check_pool_holds_one_sequence(num_blocks, self.block_size, self.max_model_len,
+                                               knob)
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size,

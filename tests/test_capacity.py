@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from refserve import capacity
+from refserve import capacity, capacity_cli
 from refserve.capacity import (
     PRESETS,
     blocks_for_tokens,
@@ -114,7 +114,7 @@ def test_cli_llama_3_8b():
 
 
 def test_cli_smollm2_in_process(capsys):
-    assert capacity.main(["--model", "smollm2-135m", "--memory", "24GB", "--context", "1000",
+    assert capacity_cli.main(["--model", "smollm2-135m", "--memory", "24GB", "--context", "1000",
                           "--block-size", "16", "--dtype", "float16",
                           "--gpu-memory-utilization", "0.9"]) == 0
     out = capsys.readouterr().out
@@ -125,7 +125,7 @@ def test_cli_smollm2_in_process(capsys):
 
 def test_cli_model_folder(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama-3-8b"]))
-    assert capacity.main(["--model", str(tmp_path), "--memory", "80GiB",
+    assert capacity_cli.main(["--model", str(tmp_path), "--memory", "80GiB",
                           "--context", "2048"]) == 0
     assert "228 sequences" in capsys.readouterr().out
 
@@ -141,6 +141,6 @@ def test_cli_errors(args, message, capsys):
     argv = {"--model": "llama-3-8b", "--memory": "80GiB", "--context": "2048"}
     argv.update(dict(zip(args[::2], args[1::2], strict=True)))
     with pytest.raises(SystemExit) as exc:
-        capacity.main([x for pair in argv.items() for x in pair])
+        capacity_cli.main([x for pair in argv.items() for x in pair])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err

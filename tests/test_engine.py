@@ -134,9 +134,9 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
     for prompt, match in cases:
         with pytest.raises(ValueError, match=match):
             engine.add_request(None, prompt, good)
-    small_pool = make_llm(tiny_folder, num_gpu_blocks=4, max_model_len=64).engine
-    with pytest.raises(ValueError, match="more than the whole KV pool"):
-        small_pool.add_request(None, list(range(3, 30)), good)
+    # A pool too small for one max_model_len sequence is refused at start-up (issue 7 bug 3).
+    with pytest.raises(ValueError, match="lower max_model_len to at most 16"):
+        make_llm(tiny_folder, num_gpu_blocks=4, max_model_len=64)
     with pytest.raises(ValueError, match=r"SamplingParams\.n=9 is more than max_num_seqs"):
         make_llm(tiny_folder, max_num_seqs=8).engine.add_request(
             None, [5, 6], SamplingParams(n=9))
@@ -154,7 +154,8 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
 
 @pytest.mark.parametrize("when", ["waiting", "running", "preempted"])
 def test_abort_frees_blocks_at_once(tiny_folder, when):
-    llm = make_llm(tiny_folder, num_gpu_blocks=12, max_num_batched_tokens=64)
+    llm = make_llm(tiny_folder, num_gpu_blocks=12, max_num_batched_tokens=64,
+                   max_model_len=48)
     engine = llm.engine
     kv = engine.kv_cache_manager
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -256,7 +257,7 @@ def test_engine_config_errors(tiny_folder):
         LLMEngine(model=str(tiny_folder), batching="dynamic", progress=False)
     with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):
         LLMEngine(model=str(tiny_folder), max_model_len=4096, progress=False)
-    with pytest.raises(ValueError, match="smaller than one KV block"):
+    with pytest.raises(ValueError, match="holds 0 blocks.*kv_cache_memory=10 bytes"):
         LLMEngine(model=str(tiny_folder), kv_cache_memory=10, progress=False)
 
 

@@ -184,8 +184,8 @@ class NumpyBackend(Backend):
         assert num_heads % num_kv_heads == 0, (
             f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
         )
-        # Cast once: a float64 scale would silently promote every score matrix to float64.
-        scale = np.float32(scale)
+        # Cast once to q's dtype: a float64 scale would silently promote every score matrix.
+        scale = q.dtype.type(scale)
 
         out = np.empty_like(q)
         num_decodes = attn.num_decodes

@@ -102,10 +102,10 @@ class LlamaModel:
         angles = np.outer(np.arange(c.max_position_embeddings, dtype=np.float64), inv_freq)
         self.rope_cos = dev(np.cos(angles))    # [max_position_embeddings, head_dim / 2]
         self.rope_sin = dev(np.sin(angles))
-        # Python floats would be fine for numpy's weak scalars, but np.float32 is explicit:
-        # nothing in the forward may promote to float64.
-        self.scale = np.float32(1.0 / np.sqrt(c.head_dim))
-        self.eps = np.float32(c.rms_norm_eps)
+        # Scalars typed in the model dtype (np.float32 by default): a float64 scalar would
+        # promote the forward to float64, a float32 one a float16 model to float32.
+        self.scale = self.dtype.type(1.0 / np.sqrt(c.head_dim))
+        self.eps = self.dtype.type(c.rms_norm_eps)
 
     # ------------------------------------------------------------------ building blocks
     def rms_norm(self, x, weight):

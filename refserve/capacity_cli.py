@@ -1,0 +1,124 @@
+"""`python -m refserve.capacity`: how much KV cache fits, and how many sequences it serves.
+
+The command line around refserve/capacity.py (the math). Example:
+
+    python -m refserve.capacity --model llama-3-8b --memory 80GiB --context 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from refserve.capacity import (
+    DTYPE_BYTES,
+    PRESETS,
+    capacity_report,
+    format_bytes,
+    parse_memory,
+)
+
+
+def load_model_config(model: str) -> tuple[str, dict]:
+    """A preset name or a folder holding config.json -> (display name, config dict)."""
+    if model.lower() in PRESETS:
+        return model.lower(), PRESETS[model.lower()]
+    path = Path(model)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ValueError(
+            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a folder "
+            f"holding config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {config_path}: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} does not hold a JSON object")
+    # Some multimodal checkpoints nest the language model under text_config.
+    config = config.get("text_config", config)
+    return str(path), config
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _utilization(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m refserve.capacity",
+        description="How much KV cache fits, and how many sequences it serves.")
+    parser.add_argument("--model", required=True,
+                        help=f"folder with config.json, or a preset: {', '.join(PRESETS)}")
+    parser.add_argument("--memory", required=True, type=_memory,
+                        help="device memory, e.g. 80GiB, 24GB, 512MiB")
+    parser.add_argument("--context", required=True, type=_positive_int,
+                        help="tokens per sequence (prompt + output)")
+    parser.add_argument("--block-size", type=_positive_int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float16",
+                        help="dtype of weights and KV cache")
+    parser.add_argument("--gpu-memory-utilization", type=_utilization, default=0.9)
+    args = parser.parse_args(argv)
+
+    dtype_bytes = DTYPE_BYTES[args.dtype]
+    try:
+        name, config = load_model_config(args.model)
+        r = capacity_report(config, args.memory, args.context, args.block_size, dtype_bytes,
+                            args.gpu_memory_utilization)
+    except ValueError as err:
+        parser.error(str(err))  # exits with status 2 and the message
+
+    bs = args.block_size
+    rows = [
+        ("model", f"{name}: {r['num_layers']} layers, {r['num_heads']} heads, "
+                  f"{r['num_kv_heads']} KV heads x {r['head_dim']}, {args.dtype}"),
+        ("parameters", f"{r['parameters']:,}"),
+        ("weights", f"{format_bytes(r['weights_bytes'])} ({r['weights_bytes']:,} bytes)"),
+        ("KV per token", f"{format_bytes(r['kv_bytes_per_token'])} "
+                         f"= 2 x {r['num_layers']} x {r['num_kv_heads']} x {r['head_dim']} "
+                         f"x {dtype_bytes} bytes"),
+        ("KV per block", f"{format_bytes(r['kv_bytes_per_block'])} = {bs} tokens x "
+                         f"{r['kv_bytes_per_token']:,} bytes"),
+        ("usable memory", f"{format_bytes(r['budget_bytes'])} "
+                          f"= {format_bytes(args.memory)} x {args.gpu_memory_utilization}"),
+        ("KV pool", f"{r['num_blocks']:,} blocks = {r['pool_tokens']:,} tokens "
+                    f"({format_bytes(r['num_blocks'] * r['kv_bytes_per_block'])})"),
+        (f"per sequence @ {args.context}",
+         f"{r['blocks_per_sequence']} blocks, last holds {r['last_block_fill']}/{bs}, "
+         f"{r['wasted_slots_per_sequence']} slots wasted "
+         f"({format_bytes(r['kv_bytes_per_sequence'])})"),
+        (f"max concurrency @ {args.context}", f"{r['max_concurrent_sequences']:,} sequences"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
