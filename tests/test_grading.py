@@ -208,6 +208,7 @@ def test_rules_map_the_course_modules(module, name, expected):
     ("Skipped: no GPU", True),
     ("No gpu available", True),
     ("could not import 'cupy': No module named 'cupy'", True),
+    ("nvcc (CUDA toolkit) is not installed", True),
     ("needs scipy", False),
     ("this machine has cupy and a CUDA GPU", False),
 ])
