@@ -1,12 +1,13 @@
 """The serving engine: `LLMEngine` (add_request / step / abort) and the offline `LLM` API.
 
-One `step()` is one iteration of continuous batching:
+One `step()` is one iteration of continuous batching, six visible stages:
 
-    output  = scheduler.schedule()                # admit / advance, under the budgets
-    logits  = runner.execute(batch of output)     # copy-on-write copies, one forward
-    tokens  = sampler.sample(logits)              # one token per sequence that finished
-                                                  # its prompt chunk or decoded
-    retired = scheduler.update(output, tokens)    # append, hash full blocks, retire, free
+    out    = scheduler.schedule()          # admit / advance / preempt, under the budgets
+    inputs = runner.prepare(out)           # flat batch + attention metadata (host scalars)
+    runner.copy_blocks(out.block_copies)   # copy-on-write before anyone writes
+    logits = runner.forward(inputs)        # per layer: write_kv, paged_attention
+    tokens = engine.sample(out, logits)    # one token per sampling row
+    scheduler.update(out, tokens)          # append, fork, hash full blocks, retire, free
 
 The public API mirrors vLLM's offline API, so code written against refserve moves to vLLM by
 changing one import:
@@ -30,11 +31,12 @@ import numpy as np
 from refserve import capacity
 from refserve.backends import get_backend
 from refserve.config import EngineConfig
+from refserve.detokenizer import IncrementalDetokenizer
 from refserve.kv_cache import KVCacheManager
 from refserve.metrics import RequestMetrics, RunSummary, summarize
 from refserve.model_runner import ModelRunner
 from refserve.sampling import Sampler, SamplingParams, make_generator
-from refserve.scheduler import Scheduler, StaticScheduler
+from refserve.scheduler import SampledTokens, Scheduler, SchedulerOutput, StaticScheduler
 from refserve.sequence import Sequence, SequenceStatus
 
 
@@ -76,6 +78,7 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)
     generators: dict[int, np.random.Generator] = field(default_factory=dict)
     stop_text_len: dict[int, int] = field(default_factory=dict)  # seq_id → text cut at stop
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -223,9 +226,9 @@ class LLMEngine:
                        sampling_params, RequestMetrics(arrival_time=now,
                                                        num_prompt_tokens=len(token_ids)))
         seq = Sequence(request_id, token_ids, sampling_params, now)
+        self.scheduler.add_sequence(seq)  # gives the sequence its id
         req.seqs.append(seq)
         req.generators[seq.seq_id] = make_generator(sampling_params.seed, 0)
-        self.scheduler.add_sequence(seq)
         self.requests[request_id] = req
         return request_id
 
@@ -245,6 +248,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
+        """One iteration of continuous batching, as six visible stages (a notebook can run
+        each one in its own cell, exactly like this):
+
+            out    = scheduler.schedule()          who computes which tokens
+            inputs = runner.prepare(out)           the flat batch + attention metadata
+            runner.copy_blocks(out.block_copies)   copy-on-write before anyone writes
+            logits = runner.forward(inputs)        per layer: write_kv, paged_attention
+            tokens = engine.sample(out, logits)    one token per sampling row
+            scheduler.update(out, tokens)          append, fork, retire, free
+
+        If any stage before `update` fails, nothing of the step has been applied: the
+        scheduler redoes the same work on the next step (or the failing request is aborted)
+        and seeded requests draw the same random numbers again.
+        """
         t_step = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -256,74 +273,79 @@ class LLMEngine:
                     f"waiting and {self.scheduler.num_running} running sequences "
                     f"({self.kv_cache_manager.num_free_blocks} free blocks)")
             return []
-        entries = self.runner.entries_for(out)
+        # The pool is at its fullest now: this step's blocks are allocated and nothing has
+        # been retired yet (retiring frees blocks in update()).
+        kv = self.kv_cache_manager
+        self.kv_blocks_peak = max(self.kv_blocks_peak, kv.num_blocks - kv.num_free_blocks)
         try:
-            logits = self.runner.execute(entries, out.block_copies)
-            sampled, sampled_seqs = self._sample(out, logits)
+            inputs = self.runner.prepare(out)
+            self.runner.copy_blocks(out.block_copies)
+            logits = self.runner.forward(inputs)
+            sampled = self.sample(out, logits)
         except Exception as e:
-            # Nothing of this step has been applied (update() was not called): the scheduler
-            # treats the step as abandoned and the next schedule() redoes the same work.
             ids = sorted({s.seq.request_id for s in out.scheduled})
             raise EngineStepError(
                 f"step {out.step} failed in the model forward or sampling for request(s) "
                 f"{ids}: {e!r}. The KV pool is consistent; call step() again or abort "
                 "these requests.", ids) from e
         self.scheduler.update(out, sampled)  # retired sequences' blocks are freed here
-        touched = self._postprocess(sampled_seqs, time.perf_counter())
-        self.kv_blocks_peak = max(self.kv_blocks_peak, self.kv_cache_manager.num_blocks
-                                  - self.kv_cache_manager.num_free_blocks)
-        outputs = [self._output(req) for req in touched]
-        for req in touched:
-            if req.finished:
-                del self.requests[req.request_id]
+        outputs = self._postprocess(out, sampled, time.perf_counter())
         self.time_in_step += time.perf_counter() - t_step
         return outputs
 
-    def _sample(self, out, logits) -> tuple[dict[int, list[int]], list[Sequence]]:
-        """One token per sampling row; returns {seq_id: [token]} and the sequences sampled
-        (children forked this step included)."""
-        rows = [s for s in out.scheduled if s.samples and not s.is_padding]
-        reqs = [self.requests[s.seq.request_id] for s in rows]
-        tokens = self.sampler.sample(logits, [s.seq.sampling_params for s in rows],
-                                     [r.generators[s.seq.seq_id] for s, r in zip(rows, reqs)])
-        sampled, seqs = {}, []
-        for row, (s, req, token) in enumerate(zip(rows, reqs, tokens)):
-            sampled[s.seq.seq_id] = [token]
-            seqs.append(s.seq)
-            if not s.seq.forked:
-                # Parallel sampling: the prompt was computed once; fork n-1 children that
-                # share every block (copy-on-write) and draw their own first token from the
-                # same logits. They ride this step: update() advances them with the parent.
-                for i in range(1, req.params.n):
-                    child = s.seq.fork()
-                    child.child_index = i
-                    req.seqs.append(child)
-                    gen = req.generators[child.seq_id] = make_generator(req.params.seed, i)
-                    self.scheduler.fork(s.seq, child)
-                    sampled[child.seq_id] = self.sampler.sample(
-                        logits[row:row + 1], [req.params], [gen])
-                    seqs.append(child)
-        return sampled, seqs
+    def sample(self, out: SchedulerOutput, logits: np.ndarray) -> SampledTokens:
+        """The sampling stage: one token per sampling row of `out`, from its logits row.
 
-    def _postprocess(self, seqs: list[Sequence], now: float) -> list[_Request]:
+        A parent of a parallel-sampling request (n > 1) that samples its first token also
+        draws the first token of each child 1..n-1 from the same logits row, each with the
+        child's own generator (seed + i). The children themselves are forked by
+        `scheduler.update`, only once the step is applied. Changes no engine state: if it
+        raises, the generators it advanced are put back where they were.
+        """
+        rows = [s for s in out.scheduled if s.num_logits > 0]
+        assert all(s.num_logits == 1 for s in rows), \
+            "verify rows (num_logits > 1) go through the speculative accept step"
+        assert len(logits) == len(rows), f"{len(logits)} logits rows for {len(rows)} rows"
+        reqs = [self.requests[s.seq.request_id] for s in rows]
+        generators = [r.generators[s.seq.seq_id] for s, r in zip(rows, reqs)]
+        states = [g.bit_generator.state for g in generators]
+        result = SampledTokens()
+        try:
+            tokens = self.sampler.sample(logits, [s.seq.sampling_params for s in rows],
+                                         generators)
+            for i, (s, req, token) in enumerate(zip(rows, reqs, tokens)):
+                result.token_ids[s.seq.seq_id] = [token]
+                if s.seq.awaiting_fork:
+                    firsts = []
+                    for child in range(1, req.params.n):
+                        gen = make_generator(req.params.seed, child)
+                        result.generators[(s.seq.seq_id, child)] = gen
+                        firsts += self.sampler.sample(logits[i:i + 1], [req.params], [gen])
+                    result.fork_token_ids[s.seq.seq_id] = firsts
+        except BaseException:
+            for g, state in zip(generators, states):
+                g.bit_generator.state = state
+            raise
+        return result
+
+    def _postprocess(self, out: SchedulerOutput, sampled: SampledTokens,
+                     now: float) -> list[RequestOutput]:
+        """After update: register forked children, extend each sequence's text by its new
+        tokens (incremental detokenization), apply stop strings, stamp times; return one
+        RequestOutput per request that got tokens, and forget finished requests."""
+        for child in out.forked:
+            req = self.requests[child.request_id]
+            req.seqs.append(child)
+            parent_id = req.seqs[0].seq_id
+            req.generators[child.seq_id] = sampled.generators[(parent_id, child.child_index)]
         touched: dict[str, _Request] = {}
-        for seq in seqs:
+        got_tokens = [row.seq for row in out.scheduled if row.seq.seq_id in sampled.token_ids]
+        for seq in got_tokens + out.forked:
             req = self.requests.get(seq.request_id)
             if req is None:
-                continue
+                continue  # aborted since schedule()
             touched[req.request_id] = req
-            if seq.num_output_tokens == 1 and seq.first_token_time is None:
-                seq.first_token_time = now
-                if req.metrics.first_token_time is None:
-                    req.metrics.first_token_time = now
-            if req.params.stop and not seq.is_finished:
-                text = self._decode(seq.output_token_ids)
-                hits = [text.find(st) for st in req.params.stop if st in text]
-                if hits:
-                    req.stop_text_len[seq.seq_id] = min(hits)
-                    self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-            if seq.is_finished and seq.finish_time is None:
-                seq.finish_time = now
+            self._advance_text(req, seq, now)
         for req in touched.values():
             if req.finished:
                 m = req.metrics
@@ -331,17 +353,49 @@ class LLMEngine:
                 m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
                 m.num_cached_tokens = req.seqs[0].num_cached_tokens
                 m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
-        return list(touched.values())
+        outputs = [self._output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                del self.requests[req.request_id]
+        return outputs
 
-    def _decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _advance_text(self, req: _Request, seq: Sequence, now: float) -> None:
+        """New tokens of `seq`: first-token time, text, stop strings, finish time.
+
+        Stop strings are checked on every new token, also on the one that finished the
+        sequence by length (max_tokens / max_model_len): a stop string it completes still
+        cuts the text and makes the finish reason "stop", as in vLLM.
+        """
+        if seq.first_token_time is None and seq.num_output_tokens > 0:
+            seq.first_token_time = now
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+        detok = req.detokenizers.get(seq.seq_id)
+        if detok is None:
+            detok = req.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
+        old_len = len(detok.text)
+        detok.update(seq.output_token_ids)
+        stops = req.params.stop
+        if stops and seq.seq_id not in req.stop_text_len:
+            text = detok.text
+            # Only a match that ends in the new text is new: start the search far enough
+            # back for the longest stop string to straddle the old/new boundary.
+            since = max(0, old_len - max(map(len, stops)) + 1)
+            hits = [i for i in (text.find(st, since) for st in stops) if i >= 0]
+            if hits:
+                req.stop_text_len[seq.seq_id] = min(hits)
+                if seq.is_finished:  # finished by length on this very token
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        if seq.is_finished and seq.finish_time is None:
+            seq.finish_time = now
 
     def _output(self, req: _Request) -> RequestOutput:
         completions = []
         for i, seq in enumerate(sorted(req.seqs, key=lambda s: s.child_index)):
-            text = self._decode(seq.output_token_ids)
+            detok = req.detokenizers.get(seq.seq_id)
+            text = detok.text if detok is not None else ""
             if seq.seq_id in req.stop_text_len:
                 text = text[:req.stop_text_len[seq.seq_id]]
             completions.append(CompletionOutput(i, text, list(seq.output_token_ids),

@@ -6,6 +6,9 @@ KV-cache manager need to know about a sequence lives here:
 
     token_ids            prompt + output so far (the history prefix caching hashes and an
                          n-gram proposer searches)
+    spec_token_ids       draft tokens proposed for the next verify step (speculative
+                         decoding); kept apart from token_ids so prefix hashing and stop
+                         rules only ever see accepted tokens
     num_computed_tokens  how many of token_ids have their K/V in the cache. A step computes
                          tokens [num_computed_tokens, num_computed_tokens + n); when that
                          reaches num_tokens the last logits sample the next token.
@@ -18,7 +21,6 @@ after the sequence finished).
 from __future__ import annotations
 
 import enum
-import itertools
 
 from refserve.sampling import SamplingParams
 
@@ -40,28 +42,29 @@ class SequenceStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
-_seq_ids = itertools.count()
-
-
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float = 0.0,
                  seq_id: int | None = None) -> None:
-        self.seq_id = next(_seq_ids) if seq_id is None else seq_id
+        # None until the scheduler queues it: ids are per scheduler (per engine), so
+        # re-running a notebook cell gives the same ids.
+        self.seq_id: int | None = seq_id
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.token_ids: list[int] = list(prompt_token_ids)
+        self.spec_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
-        # Parallel sampling (n > 1): the index of this child, and whether the parent has
-        # already been forked. An unforked parent reserves n seats in the running batch.
+        # Parallel sampling (n > 1): the index of this child, and whether this sequence is
+        # a parent that still has to fork its n - 1 children (when it samples its first
+        # token). Until then it reserves n seats in the running batch.
         self.child_index = 0
-        self.forked = sampling_params.n == 1
+        self.awaiting_fork = sampling_params.n > 1
         # Times filled in by the engine (seconds, time.perf_counter clock).
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -81,7 +84,7 @@ class Sequence:
     @property
     def num_seats(self) -> int:
         """Batch seats this sequence holds: n for a parent that will fork, else 1."""
-        return 1 if self.forked else self.sampling_params.n
+        return self.sampling_params.n if self.awaiting_fork else 1
 
     @property
     def is_finished(self) -> bool:
@@ -101,7 +104,7 @@ class Sequence:
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
-        child.forked = True
+        child.awaiting_fork = False
         child.first_token_time = self.first_token_time
         return child
 

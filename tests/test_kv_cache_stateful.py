@@ -10,6 +10,8 @@ is correct" becomes checkable: every computed position of every live sequence re
 own token, and every cached block holds exactly the tokens its key says.
 """
 
+import itertools
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -36,6 +38,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.running: list[Sequence] = []  # hold blocks
         self.waiting: list[Sequence] = []  # preempted, blocks freed, to be readmitted
         self.shadow: dict[int, list] = {}
+        self.ids = itertools.count()  # the manager is used alone: the test numbers sequences
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(3, 20),
                 enable_prefix_caching=st.booleans())
@@ -100,7 +103,7 @@ class KVCacheMachine(RuleBasedStateMachine):
           tail=st.lists(st.integers(50, 52), max_size=5), chunk=chunk_size)
     def add_sequence(self, prefix, prefix_len, tail, chunk):
         tokens = PREFIXES[prefix][:prefix_len] + tail or [50]
-        self.admit(Sequence("r", tokens, SamplingParams()), chunk)
+        self.admit(Sequence("r", tokens, SamplingParams(), seq_id=next(self.ids)), chunk)
 
     @precondition(lambda self: self.running)
     @rule(index=seq_index, chunk=chunk_size)
@@ -133,7 +136,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(index=seq_index)
     def fork(self, index):
         parent = self.pick(index)
-        child = parent.fork()
+        child = parent.fork(seq_id=next(self.ids))
         self.manager.fork(parent, child)
         assert self.manager.get_block_ids(child.seq_id) == self.manager.get_block_ids(
             parent.seq_id)
@@ -168,7 +171,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         m = self.manager
         refs = [m.allocator.ref_count(b) for b in range(m.num_blocks)]
         queue = list(m.allocator.free_block_ids())
-        seq = Sequence("probe", PREFIXES[prefix][:prefix_len] + [99], SamplingParams())
+        seq = Sequence("probe", PREFIXES[prefix][:prefix_len] + [99], SamplingParams(),
+                       seq_id=-1)
         blocks, hit_tokens = m.get_computed_blocks(seq)
         self.check_hit_blocks(seq, blocks, hit_tokens)
         assert [m.allocator.ref_count(b) for b in range(m.num_blocks)] == refs

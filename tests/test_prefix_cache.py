@@ -1,5 +1,7 @@
 """Prefix caching and copy-on-write through the KVCacheManager."""
 
+import itertools
+
 import pytest
 
 from refserve.kv_cache import KVCacheManager, NoFreeBlocksError, prefix_cache
@@ -10,8 +12,11 @@ from refserve.sequence import Sequence
 BS = 4
 
 
+_ids = itertools.count()  # the manager is used alone here, so the test numbers sequences
+
+
 def make_seq(tokens, request_id="r"):
-    return Sequence(request_id, list(tokens), SamplingParams())
+    return Sequence(request_id, list(tokens), SamplingParams(), seq_id=next(_ids))
 
 
 def run_prefill(manager, seq):
@@ -211,7 +216,7 @@ def test_fork_then_child_write_in_shared_partial_block_copies_once():
     manager = KVCacheManager(num_blocks=8, block_size=BS)
     parent = make_seq(list(range(2 * BS + 2)))  # 2 full blocks + a partial one
     run_prefill(manager, parent)
-    child = parent.fork()
+    child = parent.fork(seq_id=next(_ids))
     manager.fork(parent, child)
     parent_blocks = manager.get_block_ids(parent.seq_id)
     assert manager.get_block_ids(child.seq_id) == parent_blocks
@@ -238,7 +243,7 @@ def test_fork_write_into_fresh_block_needs_no_copy():
     manager = KVCacheManager(num_blocks=8, block_size=BS)
     parent = make_seq(list(range(2 * BS)))  # exactly full: next token opens a new block
     run_prefill(manager, parent)
-    child = parent.fork()
+    child = parent.fork(seq_id=next(_ids))
     manager.fork(parent, child)
     child.append_token(1)
     assert manager.allocate_slots(child, 1) == []
@@ -249,7 +254,7 @@ def test_cow_is_atomic_when_pool_is_short():
     manager = KVCacheManager(num_blocks=2, block_size=BS)
     parent = make_seq([1, 2])
     run_prefill(manager, parent)
-    children = [parent.fork() for _ in range(2)]
+    children = [parent.fork(seq_id=next(_ids)) for _ in range(2)]
     for child in children:
         manager.fork(parent, child)
     children[0].append_token(3)

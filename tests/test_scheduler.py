@@ -474,7 +474,7 @@ def test_fork_between_schedule_and_update_rides_the_step():
     sched.fork(parent, child)
     sampled[child.seq_id] = [7]
     sched.update(out, sampled)
-    assert parent.forked and parent.num_seats == 1 and sched.num_seats_used == 2
+    assert not parent.awaiting_fork and parent.num_seats == 1 and sched.num_seats_used == 2
     assert sched.running == [parent, child]
     assert child.num_computed_tokens == 6 and child.output_token_ids == [7]
     out, _ = step(sched, runner)  # both write position 6 in the shared block: one copies
@@ -583,3 +583,121 @@ def test_static_batch_reserves_whole_generation():
     assert out.admitted == [seqs[0].seq_id, seqs[1].seq_id]
     run_all(sched, runner)
     assert sched.num_preemptions == 0
+
+
+# ---- regressions (hardening issue) -------------------------------------------------------
+
+def test_carried_copies_skip_blocks_freed_since_the_failed_step():
+    # A step fails after scheduling two copy-on-write copies; one request is then aborted,
+    # which returns its private copy (the destination) to the free queue. The retry must not
+    # copy into that freed block: another sequence may take it, and a repeated destination
+    # would poison every later step.
+    sched, kv, runner = make(block_size=4, max_num_seqs=4, num_blocks=12, prefix=False)
+    a, b = make_seq("a", 6, 5, n=2), make_seq("b", 6, 5, n=2)
+    for seq in (a, b):
+        sched.add_sequence(seq)
+    step(sched, runner)
+    for parent in (a, b):
+        sched.fork(parent, parent.fork())
+    failed = sched.schedule()
+    assert len(failed.block_copies) == 2
+    dst_a = next(dst for (src, dst), row in zip(failed.block_copies, failed.scheduled)
+                 if row.seq is a)
+    sched.abort(a.seq_id)
+    assert kv.allocator.ref_count(dst_a) == 0
+    retry = sched.schedule()
+    assert all(kv.allocator.ref_count(dst) > 0 for _, dst in retry.block_copies)
+    dsts = [dst for _, dst in retry.block_copies]
+    assert len(set(dsts)) == len(dsts)
+    sched.update(retry, runner.execute(retry))
+    run_all(sched, runner)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_fork_validates_before_changing_anything():
+    sched, kv, runner = make(block_size=4, max_num_seqs=2)
+    parent = make_seq("p", 6, 3, n=2)
+    sched.add_sequence(parent)
+    sched.schedule()  # the parent's prefill is pending: a rider must copy it as scheduled
+    child = parent.fork()
+    child.num_computed_tokens = 3  # not what was scheduled
+    free_before = kv.num_free_blocks
+    with pytest.raises(ValueError, match="as scheduled"):
+        sched.fork(parent, child)
+    assert parent.awaiting_fork and parent.num_seats == 2
+    assert child not in sched.running and child.seq_id not in sched._by_id
+    assert not kv.has_sequence(child.seq_id) and kv.num_free_blocks == free_before
+    kv.check_invariants()
+
+
+def test_update_rejects_an_empty_token_list_and_rows_have_tokens():
+    sched, kv, runner = make()
+    a = make_seq("a", 5, 4)
+    sched.add_sequence(a)
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="empty token list"):
+        sched.update(out, {a.seq_id: []})
+    assert a.num_computed_tokens == 0 and a.num_output_tokens == 0
+    retry = sched.schedule()
+    assert [(r.start, r.num_tokens, r.num_logits) for r in retry.scheduled] == [(0, 5, 1)]
+    with pytest.raises(AssertionError):
+        ScheduledSequence(a, 0, 0, num_logits=0)
+
+
+def test_update_forks_children_only_when_the_step_is_applied():
+    from refserve.scheduler import SampledTokens
+
+    sched, kv, runner = make(block_size=4, max_num_seqs=3)
+    parent = make_seq("p", 6, 3, n=3)
+    sched.add_sequence(parent)
+    out = sched.schedule()
+    assert sched.running == [parent] and parent.num_seats == 3
+    runner.execute(out)  # writes the prompt's K/V into the fake cache
+    sampled = SampledTokens({parent.seq_id: [7]}, fork_token_ids={parent.seq_id: [8, 9]})
+    sched.update(out, sampled)
+    children = out.forked
+    assert [c.child_index for c in children] == [1, 2]
+    assert [c.output_token_ids for c in (parent, *children)] == [[7], [8], [9]]
+    assert all(c.num_computed_tokens == 6 for c in (parent, *children))
+    assert sched.running == [parent, *children] and sched.num_seats_used == 3
+    assert len({c.seq_id for c in (parent, *children)}) == 3
+    run_all(sched, runner)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_sequence_ids_are_per_scheduler():
+    ids = []
+    for _ in range(2):
+        sched, _, _ = make()
+        seqs = [make_seq(f"r{i}", 3, 1) for i in range(3)]
+        for seq in seqs:
+            sched.add_sequence(seq)
+        ids.append([seq.seq_id for seq in seqs])
+    assert ids == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_verify_row_has_k_plus_one_logits_and_rejected_drafts_are_not_computed():
+    sched, kv, runner = make(block_size=4)
+    a = make_seq("a", 5, 10)
+    sched.add_sequence(a)
+    step(sched, runner)  # prefill: 5 computed, 1 sampled -> 6 tokens, 5 computed
+    a.spec_token_ids = [11, 12, 13]
+    out = sched.schedule()
+    (row,) = out.scheduled
+    assert (row.start, row.num_tokens, row.num_logits, row.kind) == (5, 4, 4, "verify")
+    # One draft accepted, then a recovered token: two tokens appended.
+    sched.update(out, {a.seq_id: [11, 42]})
+    assert a.output_token_ids[-2:] == [11, 42] and a.spec_token_ids == []
+    assert a.num_computed_tokens == a.num_tokens - 1 == 7
+    out = sched.schedule()
+    assert (out.scheduled[0].start, out.scheduled[0].num_tokens) == (7, 1)
+
+
+def test_drafts_that_do_not_fit_the_budget_are_dropped():
+    sched, kv, runner = make(block_size=4, budget=3)
+    a = make_seq("a", 2, 10)
+    sched.add_sequence(a)
+    step(sched, runner)
+    a.spec_token_ids = [1, 2, 3, 4]
+    out = sched.schedule()
+    assert a.spec_token_ids == [1, 2] and out.scheduled[0].num_logits == 3

@@ -133,6 +133,9 @@ class KVCacheManager:
         Returns (blocks to attach, first position written, end position, logical blocks
         needing copy-on-write, free blocks needed).
         """
+        if seq.seq_id is None:
+            raise ValueError(f"{seq} has no seq_id: queue it with Scheduler.add_sequence, or "
+                             "give Sequence(..., seq_id=...) when using the manager alone")
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens!r}: must be an integer >= 0")
         table = self._tables.get(seq.seq_id)
@@ -257,6 +260,8 @@ class KVCacheManager:
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares every block of the parent (ref count += 1 each). The first of
         them to write into a shared block gets a private copy (see allocate_slots)."""
+        if child_seq.seq_id is None:
+            raise ValueError("fork: the child has no seq_id")
         if child_seq.seq_id in self._tables:
             raise ValueError(f"sequence {child_seq.seq_id} already has blocks")
         parent_table = self._table(parent_seq.seq_id)
@@ -348,17 +353,17 @@ if __name__ == "__main__":
     from refserve.sequence import Sequence
 
     manager = KVCacheManager(num_blocks=8, block_size=4)
-    a = Sequence("a", list(range(10)), SamplingParams())
+    a = Sequence("a", list(range(10)), SamplingParams(), seq_id=0)
     manager.allocate_slots(a, a.num_tokens)
     a.num_computed_tokens = a.num_tokens
     manager.cache_full_blocks(a)
     print("a computed 10 tokens:   ", manager)
-    b = Sequence("b", list(range(8)) + [99, 98], SamplingParams())
+    b = Sequence("b", list(range(8)) + [99, 98], SamplingParams(), seq_id=1)
     blocks, hit = manager.get_computed_blocks(b)
     print(f"b shares 8 tokens: hit blocks {blocks}, {hit} tokens")
     manager.allocate_slots(b, b.num_tokens - hit, blocks)
     print("b admitted:             ", manager)
-    c = a.fork()
+    c = a.fork(seq_id=2)
     manager.fork(a, c)
     print("a forked into c:        ", manager)
     c.append_token(42)  # c samples its own next token, at position 10 (shared block 2)

@@ -1,0 +1,52 @@
+"""Incremental detokenization: turn a growing list of output token ids into text in O(new
+tokens) per step, instead of decoding the whole output again every step (O(L²) per request).
+
+A token is not always a whole character: byte-level BPE splits an emoji or a CJK character
+across several tokens, and a lone piece decodes to the replacement character U+FFFD. And
+some tokenizers decide a token's leading space from its left neighbour. So each step decodes
+a short window that starts a few tokens back (`prefix_offset`):
+
+    prefix = decode(ids[prefix_offset:read_offset])   text already emitted for this window
+    full   = decode(ids[prefix_offset:])              the same window plus the new tokens
+    if full is longer and does not end in U+FFFD:  emit full[len(prefix):], slide the window
+
+Tokens whose text is still incomplete stay unread until a later token completes them.
+Special tokens (EOS, chat markers) decode to nothing (`skip_special_tokens=True`).
+"""
+
+from __future__ import annotations
+
+# How many already-emitted tokens the window keeps on its left: enough context for the
+# tokenizer to place spaces the way a full decode would.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """The text of one sequence's output tokens, grown a few tokens at a time.
+
+    Invariant: `text` == decode(ids[:read_offset]) for the tokenizers refserve loads
+    (tested against a full decode), and `update` only ever appends to it.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.prefix_offset = 0  # first token of the decode window
+        self.read_offset = 0  # tokens before this one are in `text`
+
+    def update(self, token_ids: list[int]) -> str:
+        """Bring `text` up to date with `token_ids` (the whole output so far, of which only
+        the tail after `read_offset` is new); returns the newly emitted text."""
+        if self.tokenizer is None or len(token_ids) <= self.read_offset:
+            return ""
+        decode = self.tokenizer.decode
+        prefix = decode(token_ids[self.prefix_offset:self.read_offset],
+                        skip_special_tokens=True)
+        full = decode(token_ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete character (or only special tokens): wait
+        delta = full[len(prefix):]
+        self.text += delta
+        self.read_offset = len(token_ids)
+        self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
+        return delta

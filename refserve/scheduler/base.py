@@ -1,0 +1,461 @@
+"""What both schedulers share: the queues, advancing with preemption, update and retire.
+
+Continuous batching (`continuous.py`) and static batching (`static.py`) differ only in who
+joins the running batch and when a finished sequence gives its seat back; everything else
+lives here:
+
+    ADVANCE  running sequences, oldest first. Each gets
+                 n = min(tokens left to compute, budget_left)
+             tokens: 1 for a decode, the next chunk of an unfinished prefill (chunked
+             prefill), 1 + k for a speculative verify. Its KV slots come from
+             `kv_cache_manager.allocate_slots`.
+    PREEMPT  while the pool cannot serve a running sequence (`kv.can_allocate` is False),
+             the NEWEST running sequence is preempted (recompute: its blocks are freed, it
+             goes back to the HEAD of the waiting queue with its tokens kept, and is
+             prefilled again when readmitted). The newest may be the sequence itself. Why
+             the newest: it has the least computed work to lose and arrived last, so the
+             oldest requests keep making progress and nobody starves.
+    UPDATE   (after the model ran) advance num_computed_tokens, hash newly full blocks for
+             the prefix cache, append sampled tokens, check the stop rules and RETIRE
+             finished sequences, which leave the running batch in the same step.
+
+Limits of one step (both hold for every `SchedulerOutput`):
+
+    token budget  sum of scheduled query tokens <= max_num_batched_tokens
+    seats         sum of seq.num_seats over running sequences <= max_num_seqs
+                  (a parent of an n > 1 request that has not forked yet holds n seats)
+
+Slot-steps measure how well the batch is used: one slot-step is one seat for one step. It is
+*used* when a real sequence is computed in it and *wasted* when a finished sequence is still
+computed as padding (only static batching does that).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+from refserve.capacity import blocks_for_tokens
+from refserve.kv_cache.kv_cache_manager import KVCacheManager
+from refserve.scheduler.output import SampledTokens, ScheduledSequence, SchedulerOutput
+from refserve.sequence import Sequence, SequenceStatus
+
+
+class SchedulerBase:
+    """The queues, advancing with preemption, update and retire (see the module docstring).
+
+    Invariants between calls:
+      * `waiting` (FIFO, head first) holds WAITING sequences; none of them holds blocks.
+      * `running` (oldest first) holds RUNNING sequences; sum of num_seats <= max_num_seqs.
+      * a sequence holds blocks in the KV-cache manager iff its id is in `_holding`.
+      * finished sequences are in neither queue (static batching keeps them in `padding`
+        until their batch ends).
+    """
+
+    batching = ""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
+                 kv_cache_manager: KVCacheManager, max_model_len: int,
+                 eos_token_id: int | None = None) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[int, Sequence] = {}  # every unfinished sequence
+        self._holding: set[int] = set()  # ids of sequences that hold KV blocks
+        self._pending: SchedulerOutput | None = None  # scheduled, not yet updated
+        self._riders: dict[int, list[Sequence]] = {}  # parent id -> children forked mid-step
+        # Sequence ids are per scheduler (so per engine): re-running a notebook cell or a
+        # test gives the same ids.
+        self._seq_ids = itertools.count()
+
+        self.num_steps = 0
+        self.slot_steps_used = 0
+        self.slot_steps_wasted = 0
+        self.num_preemptions = 0
+
+    # ---- queries ------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_seats_used(self) -> int:
+        return sum(seq.num_seats for seq in self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def new_seq_id(self) -> int:
+        """The next sequence id of this scheduler (0, 1, 2, ...)."""
+        return next(self._seq_ids)
+
+    # ---- requests in and out ------------------------------------------------------------
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a new sequence at the tail of `waiting`; give it an id if it has none.
+
+        Raises ValueError if it could never run (see `check_fits`).
+        """
+        if seq.seq_id is not None and seq.seq_id in self._by_id:
+            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}, not waiting")
+        self.check_fits(seq.num_tokens, seq.num_seats)
+        if seq.seq_id is None:
+            seq.seq_id = self.new_seq_id()
+        self._by_id[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def check_fits(self, num_prompt_tokens: int, num_seats: int = 1) -> None:
+        """Raise ValueError if a prompt could never run: empty, longer than max_model_len,
+        more blocks than the whole pool (prompt + the first sampled token), or more seats
+        (SamplingParams.n) than max_num_seqs. Changes nothing; the engine calls it to vet a
+        request before queuing anything."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        kv = self.kv_cache_manager
+        needed = blocks_for_tokens(num_prompt_tokens + 1, kv.block_size)
+        if needed > kv.num_blocks:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens and needs {needed} KV "
+                             f"blocks, more than the whole KV pool: the whole pool is "
+                             f"{kv.num_blocks} blocks of {kv.block_size} tokens; give it more "
+                             "memory (kv_cache_memory / num_gpu_blocks)")
+        if num_seats > self.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={num_seats} is more than max_num_seqs="
+                             f"{self.max_num_seqs} batch seats")
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Stop a waiting, preempted or running sequence now; its blocks are freed at once.
+        Returns the sequence, or None if no unfinished sequence has this id."""
+        seq = self._by_id.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self._free(seq)
+            self._on_running_left()
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        return seq
+
+    def finish(self, seq_id: int, status: SequenceStatus) -> Sequence | None:
+        """Retire a sequence the engine decided is done (a stop string): like a finish found
+        by `update`. Returns the sequence, or None if no unfinished sequence has this id."""
+        if not status.is_finished:
+            raise ValueError(f"finish() needs a finished status, got {status}")
+        seq = self._by_id.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            del self._by_id[seq_id]
+            self.waiting.remove(seq)
+            seq.status = status
+        else:
+            self._retire(seq, status)
+        return seq
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Parallel sampling: `child` (made by `parent.fork()`) shares every block of the
+        running `parent` and runs right after it (after any earlier children).
+
+        Called between `schedule()` and `update()` of the step in which the parent samples
+        (that is what `update` does with `SampledTokens.fork_token_ids`), the child rides
+        that step: `update` advances it like the parent and appends its own token. Called at
+        any other time, the child simply continues from its own state. The parent's n seats
+        become 1 + one per child. Everything is checked before anything changes.
+        """
+        if self._by_id.get(parent.seq_id) is not parent or parent not in self.running:
+            raise ValueError(f"fork: parent {parent.seq_id} is not running")
+        if parent.seq_id not in self._holding:
+            raise ValueError(f"fork: parent {parent.seq_id} has not been computed yet")
+        if child.seq_id is None:
+            child.seq_id = self.new_seq_id()
+        if child.seq_id in self._by_id:
+            raise ValueError(f"fork: sequence {child.seq_id} is already scheduled")
+        rides = False
+        if self._pending is not None:
+            for row in self._pending.scheduled:
+                if row.seq is parent and not row.is_padding:
+                    if child.num_computed_tokens != row.start:
+                        raise ValueError(f"fork between schedule() and update(): child "
+                                         f"{child.seq_id} must copy the parent as scheduled "
+                                         f"(num_computed_tokens={row.start})")
+                    rides = True
+        # Validated: from here on nothing can fail.
+        self.kv_cache_manager.fork(parent, child)
+        self._holding.add(child.seq_id)
+        parent.awaiting_fork = False
+        child.awaiting_fork = False
+        child.status = SequenceStatus.RUNNING
+        index = self.running.index(parent) + 1
+        while (index < len(self.running)
+               and self.running[index].request_id == parent.request_id):
+            index += 1
+        self.running.insert(index, child)
+        self._by_id[child.seq_id] = child
+        if rides:
+            self._riders.setdefault(parent.seq_id, []).append(child)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        raise NotImplementedError
+
+    def update(self, output: SchedulerOutput,
+               sampled: SampledTokens | dict[int, list[int]]) -> list[Sequence]:
+        """Apply one computed step; return the sequences retired by it.
+
+        `output` must be the latest `schedule()` result; one that was never applied (its
+        forward or sampling failed) is abandoned by the next `schedule()`, which redoes its
+        work. `sampled` is a `SampledTokens` (or just its `token_ids` dict).
+
+        First the children of parallel-sampling parents are forked (`fork_token_ids`); they
+        are listed in `output.forked`. Then, for each scheduled, non-padding sequence:
+
+            num_computed_tokens += num_tokens        (a chunk or a plain decode)
+            append the sampled token(s); stop rules
+            num_computed_tokens = min(that, num_tokens - 1)   after a sampling row: the
+                last appended token has no K/V yet; after a speculative verify this also
+                drops the rejected drafts' K/V (their slots are overwritten later)
+
+        newly full blocks go to the prefix cache, and a retired sequence leaves `running`
+        and (continuous batching) frees its blocks now. Sequences aborted or finished after
+        `schedule()` are skipped.
+        """
+        if output.scheduled and output is not self._pending:
+            raise ValueError(f"update() got step {output.step}, which is not the output of "
+                             "the last schedule() or was already applied")
+        if not isinstance(sampled, SampledTokens):
+            sampled = SampledTokens(token_ids=dict(sampled))
+        token_ids = dict(sampled.token_ids)
+        for seq_id, tokens in [*token_ids.items(), *sampled.fork_token_ids.items()]:
+            if not tokens:
+                raise ValueError(f"update(): sequence {seq_id} got an empty token list; a "
+                                 "sampling row appends at least one token")
+        for row in output.scheduled:
+            seq = row.seq
+            if (row.samples and not row.is_padding and seq.status is SequenceStatus.RUNNING
+                    and seq.seq_id not in token_ids):
+                raise KeyError(f"update(): no sampled token for sequence {seq.seq_id}")
+        # Checked: from here on the step is applied.
+        for parent_id, child_tokens in sampled.fork_token_ids.items():
+            parent = self._by_id.get(parent_id)
+            if parent is None or parent.status is not SequenceStatus.RUNNING:
+                continue  # aborted since schedule(): its children are never born
+            for index, token in enumerate(child_tokens, start=1):
+                child = parent.fork(seq_id=self.new_seq_id())
+                child.child_index = index
+                self.fork(parent, child)
+                token_ids[child.seq_id] = [token]
+                output.forked.append(child)
+        self._pending = None
+        riders, self._riders = self._riders, {}
+        retired: list[Sequence] = []
+        for row in output.scheduled:
+            if row.is_padding:
+                continue
+            for seq in [row.seq, *riders.get(row.seq.seq_id, [])]:
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # aborted or finished since schedule()
+                seq.num_computed_tokens += row.num_tokens
+                status = None
+                if row.samples:
+                    seq.spec_token_ids.clear()
+                    status = self._append_tokens(seq, token_ids[seq.seq_id])
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                self.kv_cache_manager.cache_full_blocks(seq)
+                if status is not None:
+                    self._retire(seq, status)
+                    retired.append(seq)
+        return retired
+
+    def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> SequenceStatus | None:
+        """Append sampled tokens until one of them finishes the sequence.
+
+        Stop rules, checked after each token (a stop token wins over a length limit):
+          FINISHED_STOPPED  the token is in stop_token_ids, or is eos and not ignore_eos
+          FINISHED_LENGTH   num_output_tokens >= max_tokens or num_tokens >= max_model_len
+        """
+        params = seq.sampling_params
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        for token_id in token_ids:
+            seq.append_token(token_id)
+            if token_id in params.stop_token_ids or (
+                    token_id == self.eos_token_id and not params.ignore_eos):
+                return SequenceStatus.FINISHED_STOPPED
+            if (seq.num_output_tokens >= max_tokens
+                    or seq.num_tokens >= self.max_model_len):
+                return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    # ---- building blocks of schedule() --------------------------------------------------
+
+    def _begin_step(self) -> SchedulerOutput:
+        out = SchedulerOutput(step=self.num_steps)
+        if self._pending is not None:
+            # The last step was never applied (its forward or sampling failed): nothing was
+            # computed, every sequence keeps its blocks, and this step schedules the same
+            # work again. Its copy-on-write copies may not have run, so they are carried
+            # over -- but only while their destination is still held: a request aborted
+            # since then returned its private copy to the free queue, and a later
+            # copy-on-write may take that block again (copying into it twice would both be
+            # wrong and trip the "distinct destinations" rule of copy_blocks). Running a
+            # still-valid copy twice is harmless: no forward wrote to either block since.
+            allocator = self.kv_cache_manager.allocator
+            out.block_copies.extend(
+                (src, dst) for src, dst in self._pending.block_copies
+                if allocator.ref_count(dst) > 0)
+            self._pending = None
+            self._riders = {}
+        return out
+
+    def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        out.num_batched_tokens = sum(row.num_tokens for row in out.scheduled)
+        assert out.num_batched_tokens <= self.max_num_batched_tokens
+        assert self.num_seats_used <= self.max_num_seqs
+        dsts = [dst for _, dst in out.block_copies]
+        assert len(set(dsts)) == len(dsts), f"copy-on-write destinations repeat: {dsts}"
+        out.max_num_batched_tokens = self.max_num_batched_tokens
+        out.num_seats_used = self.num_seats_used
+        out.max_num_seqs = self.max_num_seqs
+        out.num_free_blocks = self.kv_cache_manager.num_free_blocks
+        out.num_blocks = self.kv_cache_manager.num_blocks
+        padding = sum(row.is_padding for row in out.scheduled)
+        self.slot_steps_used += len(out.scheduled) - padding
+        self.slot_steps_wasted += padding
+        self.num_steps += 1
+        if out.scheduled:
+            self._pending = out
+        return out
+
+    def _advance(self, out: SchedulerOutput, budget: int) -> int:
+        """ADVANCE every running sequence, oldest first, while budget is left; a sequence
+        the pool cannot serve preempts the newest running ones. Returns the budget left."""
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = self._schedule_or_preempt(seq, budget, out)
+            if num_tokens is None:
+                break  # seq preempted itself: it was the newest, nobody runs after it
+            budget -= num_tokens
+            index += 1
+        return budget
+
+    def _schedule_or_preempt(self, seq: Sequence, budget: int,
+                             out: SchedulerOutput) -> int | None:
+        """Give running `seq` its next tokens, preempting the NEWEST running sequence while
+        the pool is short. Returns the tokens scheduled (>= 1), or None if seq itself was
+        the one preempted."""
+        num_tokens, computed_blocks = self._plan_row(seq, budget)
+        while not self.kv_cache_manager.can_allocate(seq, num_tokens, computed_blocks):
+            victim = self.running[-1]  # the newest running sequence
+            if victim is seq and self._holding <= {seq.seq_id}:
+                raise RuntimeError(
+                    f"sequence {seq.seq_id} alone cannot fit its {seq.num_tokens} tokens "
+                    f"in the KV pool ({self.kv_cache_manager.num_blocks} blocks of "
+                    f"{self.kv_cache_manager.block_size}); the engine must size the pool "
+                    f"for max_model_len={self.max_model_len}")
+            self._preempt(victim, out)
+            if victim is seq:
+                return None
+        return self._schedule_row(seq, num_tokens, computed_blocks, out)
+
+    def _plan_row(self, seq: Sequence, budget: int) -> tuple[int, list[int]]:
+        """How many tokens `seq` computes next under `budget`, and (on its first allocation
+        after (re)admission) the prefix-cache hit blocks it reuses. Changes nothing, except
+        that draft tokens that do not fit the budget are dropped (speculation is optional).
+
+        Tokens left = num_tokens + len(spec_token_ids) - num_computed_tokens - hit tokens.
+        """
+        kv = self.kv_cache_manager
+        computed_blocks: list[int] = []
+        hit_tokens = 0
+        if seq.seq_id not in self._holding:
+            computed_blocks, hit_tokens = kv.get_computed_blocks(seq)
+        real_left = seq.num_tokens - seq.num_computed_tokens - hit_tokens
+        if seq.spec_token_ids and real_left + len(seq.spec_token_ids) > budget:
+            del seq.spec_token_ids[max(0, budget - real_left):]
+        num_tokens = min(real_left + len(seq.spec_token_ids), budget)
+        assert num_tokens >= 1, f"{seq} has nothing left to compute"
+        return num_tokens, computed_blocks
+
+    def _schedule_row(self, seq: Sequence, num_tokens: int, computed_blocks: list[int],
+                      out: SchedulerOutput) -> int:
+        """Allocate KV slots for seq's next `num_tokens` tokens (the pool was checked) and
+        add its row. Prefix-cache hit tokens count as computed and are not scheduled."""
+        kv = self.kv_cache_manager
+        first = seq.seq_id not in self._holding
+        copies = kv.allocate_slots(seq, num_tokens, computed_blocks=computed_blocks)
+        if first:
+            hit_tokens = len(computed_blocks) * kv.block_size
+            self._holding.add(seq.seq_id)
+            seq.num_computed_tokens += hit_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = hit_tokens
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        # Logits are needed for the rows at or after the last real token, once the row
+        # reaches the end of token_ids + spec_token_ids.
+        total = seq.num_tokens + len(seq.spec_token_ids)
+        num_logits = end - max(start, seq.num_tokens - 1) if end == total else 0
+        out.block_copies.extend(copies)
+        out.scheduled.append(ScheduledSequence(
+            seq, num_tokens, start, num_logits=num_logits,
+            block_ids=list(kv.get_block_ids(seq.seq_id))))
+        return num_tokens
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preemption by recompute: free every block, forget the computed KV, and put the
+        sequence at the HEAD of the waiting queue. Its tokens (prompt and output so far)
+        stay in seq.token_ids and are prefilled again on readmission; draft tokens are
+        dropped."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq.seq_id)
+        self._on_running_left()
+
+    def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
+        """RETIRE: a finished sequence leaves the running batch in the step it finished."""
+        seq.status = status
+        seq.spec_token_ids.clear()
+        self.running.remove(seq)
+        del self._by_id[seq.seq_id]
+        self._release(seq)
+        self._on_running_left()
+
+    def _release(self, seq: Sequence) -> None:
+        """What happens to a retired sequence's blocks: continuous batching frees them now."""
+        self._free(seq)
+
+    def _on_running_left(self) -> None:
+        """Hook: a sequence just left `running` (retired, aborted or preempted)."""
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.seq_id in self._holding:
+            self._holding.discard(seq.seq_id)
+            self.kv_cache_manager.free(seq)

@@ -1,0 +1,63 @@
+"""Continuous batching (iteration-level scheduling, as in Orca and vLLM).
+
+The batch is rebuilt every step. There are no prefill and decode phases: every sequence's
+`num_computed_tokens` chases its `num_tokens`, and a step gives each scheduled sequence its
+next query tokens. One step of `Scheduler.schedule()` does, in this order:
+
+    ADVANCE  running sequences, oldest first, preempting the newest when the pool is
+             short (`SchedulerBase._advance`).
+    ADMIT    waiting sequences, first come first served, while the seats (max_num_seqs)
+             and the token budget (max_num_batched_tokens) allow and the pool can hold
+             their first chunk. The head of the queue that does not fit stops admission:
+             nobody skips ahead, so nobody starves. Admission never preempts, and a step
+             that had to preempt admits nobody (the pool just proved short).
+
+`update()` (in the base) then retires finished sequences and frees their blocks in the same
+step, so their seats are refilled by the very next `schedule()`.
+"""
+
+from __future__ import annotations
+
+from refserve.scheduler.base import SchedulerBase
+from refserve.scheduler.output import SchedulerOutput
+from refserve.sequence import SequenceStatus
+
+
+class Scheduler(SchedulerBase):
+    """Continuous batching: the batch is rebuilt every step (see the module docstring)."""
+
+    batching = "continuous"
+
+    def schedule(self) -> SchedulerOutput:
+        """ADVANCE running sequences (preempting the newest when the pool is short), then
+        ADMIT waiting ones, unless this step preempted."""
+        out = self._begin_step()
+        budget = self._advance(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit(out, budget)
+        return self._end_step(out)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """ADMIT waiting sequences first-come-first-served.
+
+        The admission rule: the HEAD of `waiting` joins `running` if
+          * a seat is free:      seats used + seq.num_seats <= max_num_seqs,
+          * budget is left:      it gets min(tokens to compute, budget_left) > 0 tokens,
+          * the pool holds them: kv.can_allocate (after prefix-cache hits).
+        Otherwise admission stops for this step; nobody behind the head is considered.
+        """
+        seats_used = self.num_seats_used
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seats_used + seq.num_seats > self.max_num_seqs:
+                break
+            num_tokens, computed_blocks = self._plan_row(seq, budget)
+            if not self.kv_cache_manager.can_allocate(seq, num_tokens, computed_blocks):
+                break
+            self._schedule_row(seq, num_tokens, computed_blocks, out)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seats_used += seq.num_seats
+            out.admitted.append(seq.seq_id)
+            budget -= num_tokens

@@ -1,0 +1,157 @@
+"""What one scheduler step decides (`SchedulerOutput`), row by row (`ScheduledSequence`), and
+what the engine hands back once the model ran (`SampledTokens`).
+
+A row is "q query tokens over a paged context": `seq` computes the tokens at positions
+[start, start + num_tokens) of `seq.token_ids + seq.spec_token_ids`. Its last `num_logits`
+rows need logits:
+
+    num_logits = 0      a prefill chunk that does not reach the end of the prompt, or a
+                        static-batching padding row: nothing is sampled
+    num_logits = 1      the row reaches the last token: one token is sampled from it
+    num_logits = k + 1  a speculative verify: the last real token plus k draft tokens; the
+                        target's k + 1 distributions decide how many drafts are accepted
+
+Printing a `SchedulerOutput` shows the step as a table (the notebooks do exactly that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from refserve.sequence import Sequence
+
+
+@dataclass
+class ScheduledSequence:
+    """One row of a step: `seq` computes query tokens [start, start + num_tokens).
+
+    num_logits  how many of the row's last query tokens need logits (see the module
+                docstring); 0 for a prefill chunk or padding.
+    is_padding  static batching only: a finished sequence that still holds its seat. The
+                runner recomputes position start == num_computed_tokens - 1 and writes its
+                K/V nowhere (slot -1); nothing is sampled.
+    block_ids   the sequence's block table for this step (a copy: what the runner sends to
+                the attention kernel, and what the printout shows).
+
+    Invariant: num_tokens >= 1 and 0 <= num_logits <= num_tokens.
+    """
+
+    seq: Sequence
+    num_tokens: int
+    start: int
+    num_logits: int
+    is_padding: bool = False
+    block_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert self.num_tokens >= 1, f"a scheduled row needs >= 1 token, got {self.num_tokens}"
+        assert 0 <= self.num_logits <= self.num_tokens, (
+            f"num_logits={self.num_logits} must be in [0, num_tokens={self.num_tokens}]")
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this row samples at least one token."""
+        return self.num_logits > 0
+
+    @property
+    def kind(self) -> str:
+        """padding | chunk (a prefill piece that samples nothing) | decode | verify | prefill."""
+        if self.is_padding:
+            return "padding"
+        if not self.samples:
+            return "chunk"
+        if self.num_logits > 1:
+            return "verify"
+        if self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens:
+            return "decode"
+        return "prefill"
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes, plus what changed to get there.
+
+    admitted / preempted   sequence ids that joined / left the running batch in this step
+    block_copies           copy-on-write (src, dst) block pairs to copy before the forward
+    forked                 children created by `update` for parallel sampling (n > 1)
+    num_batched_tokens     sum of num_tokens over `scheduled` (<= max_num_batched_tokens)
+    The remaining fields are the limits and the occupancy after scheduling, for printing.
+    """
+
+    step: int
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    forked: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    max_num_batched_tokens: int = 0
+    num_seats_used: int = 0
+    max_num_seqs: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows the forward returns: the sum of num_logits over the rows."""
+        return sum(row.num_logits for row in self.scheduled)
+
+    def __str__(self) -> str:
+        head = f"step {self.step}: {len(self.scheduled)} scheduled"
+        if self.admitted:
+            head += f" | admitted {self.admitted}"
+        if self.preempted:
+            head += f" | preempted {self.preempted}"
+        if self.block_copies:
+            copies = ", ".join(f"{src}->{dst}" for src, dst in self.block_copies)
+            head += f" | copy-on-write {copies}"
+        lines = [head, "   seq  request       kind     tokens  positions      logits  blocks"]
+        for row in self.scheduled:
+            positions = f"[{row.start}, {row.end})"
+            lines.append(f"  {row.seq.seq_id:>4}  {row.seq.request_id:<12.12}  {row.kind:<7}"
+                         f"  {row.num_tokens:>6}  {positions:<13}  {row.num_logits:>6}  "
+                         f"{_short(row.block_ids)}")
+        lines.append(f"  budget {self.num_batched_tokens}/{self.max_num_batched_tokens} tokens"
+                     f" | seats {self.num_seats_used}/{self.max_num_seqs}"
+                     f" | free blocks {self.num_free_blocks}/{self.num_blocks}")
+        return "\n".join(lines)
+
+
+def _short(block_ids: list[int], keep: int = 8) -> str:
+    if len(block_ids) <= keep:
+        return str(block_ids)
+    return f"[{', '.join(map(str, block_ids[:keep - 2]))}, ..., {block_ids[-1]}]" \
+           f" ({len(block_ids)} blocks)"
+
+
+@dataclass
+class SampledTokens:
+    """What the engine's sampling stage hands to `Scheduler.update`.
+
+    token_ids       seq_id -> the tokens to append (1 per sampling row; 1..k+1 after a
+                    speculative verify: the accepted drafts, then a recovered or bonus token).
+                    Never empty.
+    fork_token_ids  parent seq_id -> the first token of each child 1..n-1 of a parallel-
+                    sampling request that sampled its first token this step. `update` forks
+                    the children (sharing the parent's blocks) only when it applies the step,
+                    so a step that fails before `update` leaves no child behind.
+    generators      (parent seq_id, child index) -> the child's random generator, already
+                    advanced by its first draw; the engine keeps it for the child's later
+                    tokens. Not read by the scheduler.
+    """
+
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    fork_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    generators: dict[tuple[int, int], np.random.Generator] = field(default_factory=dict)
