@@ -10,7 +10,9 @@ thinks, not the distribution the sampler happened to draw from, so it does not c
 the sampling settings and matches `torch.log_softmax(logits)` of the same model.
 
 rank[t] = the number of tokens whose logprob is >= logprob[t] (vLLM's count), so the most
-likely token has rank 1 and tied tokens share the larger rank.
+likely token has rank 1 and tied tokens share the larger rank. Ranks and the top-N order
+compare the logits themselves (logprob is x minus a constant, so the order is the same, and
+two logits that differ stay apart even where their float32 logprobs round to one value).
 
 Per position the result is a dict {token_id: Logprob}, as vLLM's `SampleLogprobs` entries:
 the chosen token first (the sampled token, or for prompt logprobs the prompt's next token),
@@ -62,23 +64,24 @@ def compute_logprobs(logits: np.ndarray, token_ids: Sequence[int],
     vocab = logits.shape[-1]
     lp = log_softmax(logits)
     token_ids = np.asarray(token_ids, dtype=np.int64)
-    chosen_lp = lp[np.arange(len(lp)), token_ids]
-    chosen_rank = (lp >= chosen_lp[:, None]).sum(axis=-1)
-    # Top N for the largest N asked, found with argpartition (O(V)) and sorted afterwards.
-    top_n = min(max(counts, default=0), vocab)
-    if top_n:
-        top = np.argpartition(-lp, top_n - 1, axis=-1)[:, :top_n]
+    rows = np.arange(len(lp))
+    chosen_lp = lp[rows, token_ids]
+    chosen_rank = (logits >= logits[rows, token_ids][:, None]).sum(axis=-1)
     results = []
     for i, (k, tok) in enumerate(zip(counts, token_ids.tolist())):
         out = {tok: Logprob(float(chosen_lp[i]), int(chosen_rank[i]),
                             decode(tok) if decode else None)}
+        k = min(k, vocab)
         if k:
-            ids = top[i]
-            vals = lp[i, ids]
-            order = np.lexsort((ids, -vals))[:min(k, vocab)]   # by logprob, then token id
-            for t in ids[order].tolist():
+            # Every token at least as likely as the k-th (partition: O(V)), so ties at the
+            # cut are all seen and the smaller ids win; ranks are counted among them.
+            kth = -np.partition(-logits[i], k - 1)[k - 1]
+            cand = np.flatnonzero(logits[i] >= kth)
+            vals = logits[i, cand]
+            for j in np.lexsort((cand, -vals))[:k].tolist():
+                t = int(cand[j])
                 if t not in out:
-                    out[t] = Logprob(float(lp[i, t]), int((lp[i] >= lp[i, t]).sum()),
+                    out[t] = Logprob(float(lp[i, t]), int((vals >= vals[j]).sum()),
                                      decode(t) if decode else None)
         results.append(out)
     return results

@@ -41,12 +41,11 @@ import numpy as np
 
 from refserve.logits_processors import apply_min_tokens, apply_penalties
 from refserve.logprobs import Logprob, compute_logprobs
-from refserve.sampling_params import SamplingParams
+from refserve.sampling_params import GREEDY_BELOW, SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingParams", "make_generator", "probabilities",
            "sample_from_logits", "inverse_cdf", "GREEDY_BELOW"]
 
-GREEDY_BELOW = 1e-5     # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 _FIRST_CANDIDATES = 256  # first guess of K for top-p / min-p rows
 _GROWTH = 8              # K grows by this factor while the kept set may extend past it
 _BLOCK = 1024            # inverse-CDF block length
@@ -56,10 +55,6 @@ def make_generator(seed: int | None, child_index: int = 0) -> np.random.Generato
     """The random stream of one sequence: child i of a seeded request uses seed + i, so
     `SamplingParams(n=4, seed=s)` child i draws exactly what `SamplingParams(seed=s + i)` does."""
     return np.random.default_rng(None if seed is None else seed + child_index)
-
-
-def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < GREEDY_BELOW
 
 
 def _filters(params: SamplingParams, vocab: int) -> bool:
@@ -114,8 +109,8 @@ class Sampler:
                                 eos_token_id)
         if not len(x):
             return []
-        greedy = [i for i, p in enumerate(params) if is_greedy(p)]
-        rows = [i for i, p in enumerate(params) if not is_greedy(p)]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        rows = [i for i, p in enumerate(params) if not p.greedy]
         tokens = [0] * len(x)
         if greedy:
             argmax = np.argmax(x if len(greedy) == len(x) else x[greedy], axis=-1)
@@ -176,9 +171,9 @@ class Sampler:
         exp((x - max) / T); the row's distribution is weights / sum(weights). A greedy row
         keeps only its argmax."""
         out: list[tuple[np.ndarray | None, np.ndarray]] = [
-            (np.array([np.argmax(x[r])]), np.ones(1, np.float32)) if is_greedy(p) else None
+            (np.array([np.argmax(x[r])]), np.ones(1, np.float32)) if p.greedy else None
             for r, p in enumerate(params)]
-        rows = [r for r, p in enumerate(params) if not is_greedy(p)]
+        rows = [r for r, p in enumerate(params) if not p.greedy]
         if not rows:
             return out
         x = x if len(rows) == len(x) else x[rows]

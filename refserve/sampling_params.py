@@ -5,7 +5,7 @@
 | n | 1 | samples per prompt (children share the prompt's blocks, copy-on-write) |
 | max_tokens | 16 | most output tokens; None: up to max_model_len |
 | min_tokens | 0 | EOS and stop_token_ids are suppressed until this many output tokens |
-| temperature | 1.0 | logits / T before softmax; 0 means greedy (argmax) |
+| temperature | 1.0 | logits / T before softmax; 0 (below 1e-5) means greedy (argmax) |
 | top_k | 0 | keep the k most likely tokens; 0 or -1: off (-1 is stored as 0) |
 | top_p | 1.0 | keep the smallest most-likely set whose mass reaches top_p (nucleus) |
 | min_p | 0.0 | keep tokens with p >= min_p * max(p) |
@@ -33,6 +33,8 @@ import numbers
 from dataclasses import dataclass
 
 import numpy as np
+
+GREEDY_BELOW = 1e-5     # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 
 # Field name -> (kind, allows None). kind: "int" | "float" | "bool".
 _SCALARS = {
@@ -163,8 +165,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0: argmax, no random draw."""
-        return self.temperature == 0.0
+        """Temperature 0 (below 1e-5, as vLLM): argmax, no random draw."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
