@@ -51,6 +51,10 @@
 //   * at the end the states are merged: key groups of a warp by shuffles, warps through
 //     shared memory (FlashAttention's merge: rescale both to the larger max, then add).
 //
+// __launch_bounds__(NUM_THREADS, 1): with the thread count alone ptxas capped the float
+// kernels at 96 registers and spilled; asking for only one resident block lets it keep the
+// whole online-softmax state (2 * kMaxGroup * kVec floats per lane) in registers.
+//
 // Why a finite -FLT_MAX instead of -inf as the initial max: exp(-FLT_MAX - m) is 0 for any real
 // m, and two empty states merge to an empty state (exp(0) * 0) without a NaN from
 // (-inf) - (-inf).
@@ -269,7 +273,7 @@ __device__ __forceinline__ void block_result(const WarpStates<HEAD_DIM, NUM_WARP
 // ------------------------------------------------------------------------------ decode v1
 
 template <typename T, int HEAD_DIM, int NUM_THREADS>
-__global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(
+__global__ void __launch_bounds__(NUM_THREADS, 1) paged_attention_v1_kernel(
     T* __restrict__ out,                     // [N, H, D]
     const T* __restrict__ q,                 // [N, H, D], token stride q_stride
     const T* __restrict__ k_cache,           // [num_blocks, block_size, Hkv, D]
@@ -299,7 +303,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(
 // ------------------------------------------------------------------------------ decode v2
 
 template <typename T, int HEAD_DIM, int NUM_THREADS>
-__global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
+__global__ void __launch_bounds__(NUM_THREADS, 1) paged_attention_v2_kernel(
     float* __restrict__ tmp_out,             // [S, H, P, D]
     float* __restrict__ max_logits,          // [S, H, P]
     float* __restrict__ exp_sums,            // [S, H, P]
@@ -378,7 +382,7 @@ __global__ void paged_attention_v2_reduce_kernel(
 // position context_len - q_len + j and sees keys 0 .. that position (causal inside the chunk).
 // Simple rather than fast: each query token re-reads its keys (no tiling over queries).
 template <typename T, int HEAD_DIM, int NUM_THREADS>
-__global__ void __launch_bounds__(NUM_THREADS) varlen_paged_attention_kernel(
+__global__ void __launch_bounds__(NUM_THREADS, 1) varlen_paged_attention_kernel(
     T* __restrict__ out,                     // [N, H, D]
     const T* __restrict__ q,                 // [N, H, D], token stride q_stride
     const T* __restrict__ k_cache,           // [num_blocks, block_size, Hkv, D]
