@@ -73,10 +73,6 @@ class BlockAllocator:
         """The free queue from head (reused first) to tail (reused last)."""
         return iter(self._free_queue)
 
-    def peek_next_free(self) -> int | None:
-        """The block `allocate` would return next, or None when the pool is empty."""
-        return next(iter(self._free_queue), None)
-
     # ---- mutations -----------------------------------------------------------------------
 
     def allocate(self) -> int:
