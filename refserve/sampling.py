@@ -21,7 +21,8 @@ How it is computed (the cost is a few passes over [rows, vocab] in float32):
   - the kept set is found among the K largest logits, taken with `argpartition` (O(V)) and
     only those K sorted. K starts at top_k + 1 (or 256 for top-p / min-p: a trained model's
     nucleus is usually smaller) and grows 8x while the last candidate is still kept, since
-    then the set may continue past it; a flat distribution may need the whole row;
+    then the set may continue past it; when the K candidates hold less than half of the
+    mass top_p asks for, the distribution is flat and the whole row is sorted (values only);
   - the draw is an inverse CDF over the kept tokens in token-id order, two-level (block
     sums, then inside one block) on long rows, so no length-V float64 array is built.
 
@@ -241,7 +242,8 @@ def _kept_among_top_k(x, rows, k, row_max, inv_t, params, mass_cache
         past = nucleus_rows[keep[nucleus_rows, -1]] if k < vocab else nucleus_rows[:0]
         new = [j for j in past if rows[j] not in mass_cache]
         if new:
-            found = _mass_of_kept_set(sub[new], m[new], it[new], kth[new], min_p[new])
+            found = _mass_of_kept_set(sub if len(new) == len(rows) else sub[new], m[new],
+                                      it[new], kth[new], min_p[new])
             mass_cache.update(zip((rows[j] for j in new), found.tolist()))
         mass[past] = [mass_cache[rows[j]] for j in past]
         p = np.where(keep, e, 0) / mass[:, None]
