@@ -1,0 +1,148 @@
+"""The CuPy backend: the KV cache on a CUDA GPU, the paged-attention ops as RawKernels.
+
+The kernels are the .cu files in `kernels/` (their headers give every pointer's shape and the
+grid layout); what to launch, with which grid and arguments, is decided by the pure functions
+of `cuda_launch.py`, which the test suite runs on the CPU through a CUDA simulator. This file
+only turns those `Launch` records into `cupy.RawModule` calls, so it stays small:
+
+    write_kv         write_kv_kernel (16-byte rows, slot -1 skipped)
+    copy_blocks      copy_blocks_kernel; a chain of copies (some dst is also a src) falls
+                     back to a gather-then-scatter, which reads every source first
+    paged_attention  decode rows (0 .. num_decodes-1): v1 or v2 + reduce, by
+                     cuda_launch.choose_partitioning on host scalars;
+                     the other rows (prefill chunks, verify): varlen_paged_attention_kernel
+
+Nothing here reads a device value back to the host during a forward: every grid size comes
+from array shapes and the AttentionMetadata host scalars.
+
+dtype: float16 by default ("auto"), float32 for exact comparison with NumPy. The kernels also
+support bfloat16, but CuPy has no bfloat16 dtype for the model's dense math, so
+resolve_dtype refuses it for now.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from refserve.backends import cuda_launch as cl
+from refserve.backends.base import Backend
+
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+
+
+def load_module(cupy: Any):
+    """All kernels of kernels/*.cu in one RawModule, with every template instantiation the
+    backend launches named up front (compiled once by NVRTC, then cached by CuPy)."""
+    code = "\n".join(cl.kernel_source(f) for f in cl.KERNEL_FILES)
+    return cupy.RawModule(code=code, options=("-std=c++17",),
+                          name_expressions=cl.name_expressions())
+
+
+class CupyBackend(Backend):
+    """Caches are cupy arrays on one GPU; the data-plane ops are the kernels in kernels/."""
+
+    name = "cupy"
+
+    def __init__(self, device: int = 0, partition_size: int = cl.PARTITION_SIZE) -> None:
+        import cupy  # optional dependency: the `gpu` extra
+
+        self.xp = cupy
+        self._device = cupy.cuda.Device(device)
+        self._device.use()
+        self.num_sms = int(self._device.attributes["MultiProcessorCount"])
+        self._module = load_module(cupy)
+        self._partition_size = partition_size
+        self._workspace: dict[str, Any] = {}  # v2 scratch, see _v2_workspace
+
+    # ------------------------------------------------------------------ arrays
+
+    def to_device(self, array: Any):
+        return self.xp.asarray(array)
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        return self.xp.asnumpy(array)
+
+    def resolve_dtype(self, dtype: str) -> np.dtype:
+        if dtype == "auto":
+            return np.dtype(np.float16)
+        if dtype == "bfloat16":
+            raise ValueError("dtype='bfloat16' is not supported by the cupy backend yet "
+                             "(CuPy has no bfloat16 arrays); use float16 or float32")
+        return super().resolve_dtype(dtype)
+
+    def free_device_memory(self) -> int | None:
+        free, _ = self.xp.cuda.runtime.memGetInfo()
+        return int(free) + int(self.xp.get_default_memory_pool().free_bytes())
+
+    def _run(self, launch: cl.Launch | None) -> None:
+        if launch is not None:
+            self._module.get_function(launch.kernel)(launch.grid, launch.block, launch.args)
+
+    # ------------------------------------------------------------ data plane
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        """See Backend.write_kv; k / v may be strided views of the fused qkv projection."""
+        self._run(cl.write_kv_launch(k, v, k_cache, v_cache, slot_mapping))
+
+    def copy_blocks(self, k_cache, v_cache, src_to_dst) -> None:
+        """See Backend.copy_blocks. The pairs are checked on the host (a device array is read
+        back: a few bytes, on copy-on-write steps only, before the forward)."""
+        pairs = np.ascontiguousarray(
+            src_to_dst.get() if hasattr(src_to_dst, "get") else src_to_dst,
+            dtype=np.int64).reshape(-1, 2)
+        if len(pairs) == 0:
+            return
+        if cl.copy_pairs_are_independent(pairs, k_cache.shape[0]):
+            self._run(cl.copy_blocks_launch(k_cache, v_cache, self.xp.asarray(pairs)))
+            return
+        src, dst = self.xp.asarray(pairs[:, 0]), self.xp.asarray(pairs[:, 1])
+        k_cache[dst] = k_cache[src]  # the right side is a gather: a copy made before writing
+        v_cache[dst] = v_cache[src]
+
+    def paged_attention(self, q, k_cache, v_cache, attn, scale: float):
+        """See Backend.paged_attention: decode rows first through v1/v2, then varlen."""
+        dtype = _DTYPE_NAMES.get(np.dtype(q.dtype))
+        if dtype is None:
+            raise ValueError(f"paged_attention: q has dtype {q.dtype}; the cupy backend runs "
+                             f"{', '.join(_DTYPE_NAMES.values())}")
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        out = self.xp.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
+        arrays = (q, k_cache, v_cache, attn.block_tables, attn.context_lens,
+                  attn.query_start_loc)
+        num_decodes = attn.num_decodes
+        if num_decodes > 0:
+            part = cl.choose_partitioning(num_decodes, num_heads, num_kv_heads,
+                                          attn.max_decode_context_len, self.num_sms,
+                                          self._partition_size)
+            if part.use_v2:
+                work = self._v2_workspace(num_decodes, num_heads, head_dim, part.max_partitions)
+                for launch in cl.decode_v2_launches(out, *arrays, scale, num_decodes, part,
+                                                    work["tmp_out"], work["max_logits"],
+                                                    work["exp_sums"], dtype):
+                    self._run(launch)
+            else:
+                self._run(cl.decode_v1_launch(out, *arrays, scale, num_decodes, dtype))
+        if num_decodes < attn.num_seqs:
+            self._run(cl.varlen_launch(out, *arrays, scale, attn.num_seqs,
+                                       attn.num_decode_tokens, dtype))
+        return out
+
+    def _v2_workspace(self, num_seqs: int, num_heads: int, head_dim: int,
+                      max_partitions: int) -> dict[str, Any]:
+        """float32 scratch for v2: the leading part of one growing flat buffer per name.
+
+        Reused by every layer and step: kernels on one stream run in order, so a layer's
+        reduce has read the scratch before the next layer's v2 kernel overwrites it.
+        """
+        work = {}
+        for name, shape in cl.v2_workspace_shapes(num_seqs, num_heads, head_dim,
+                                                  max_partitions).items():
+            size = int(np.prod(shape))
+            buffer = self._workspace.get(name)
+            if buffer is None or buffer.size < size:
+                buffer = self._workspace[name] = self.xp.empty(size, dtype=np.float32)
+            work[name] = buffer[:size].reshape(shape)
+        return work
