@@ -66,6 +66,9 @@ def inverse_cdf(weights: np.ndarray, u: float) -> int:
     """The index i where the running sum of `weights` first exceeds u * total (0 <= u < 1), so
     index i comes out with probability weights[i] / total and a zero weight never does.
     Two levels: float32 block sums, then a float64 running sum inside one block."""
+    if len(weights) <= _BLOCK:
+        cum = np.cumsum(weights, dtype=np.float64)
+        return _first_above(cum, u * cum[-1])
     starts = np.arange(0, len(weights), _BLOCK)
     cum = np.cumsum(np.add.reduceat(weights, starts), dtype=np.float64)
     target = u * cum[-1]
