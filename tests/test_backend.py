@@ -156,7 +156,20 @@ def test_get_backend_cupy_without_gpu_is_a_clear_runtime_error():
         get_backend("cupy")
 
 
-def test_get_backend_cupy_with_gpu_is_not_written_yet(monkeypatch):
+def test_get_backend_cupy_and_auto_with_gpu_construct_the_cupy_backend(monkeypatch):
+    """With a usable GPU, "cupy" and "auto" both build CupyBackend (faked here: no GPU)."""
+    import sys
+    import types
+
+    made = []
+    fake = types.ModuleType("refserve.backends.cupy_backend")
+    fake.CupyBackend = lambda **options: made.append(options) or "cupy-backend"
+    monkeypatch.setitem(sys.modules, "refserve.backends.cupy_backend", fake)
     monkeypatch.setattr(backends, "_gpu_unavailable_reason", lambda: None)
-    with pytest.raises(NotImplementedError, match="not written yet"):
+    assert get_backend("cupy", enforce_eager=True) == "cupy-backend"
+    assert get_backend("auto") == "cupy-backend"
+    assert made == [{"enforce_eager": True}, {}]
+    monkeypatch.setattr(backends, "_gpu_unavailable_reason", lambda: "cupy sees 0 CUDA devices")
+    assert get_backend("auto").name == "numpy"
+    with pytest.raises(RuntimeError, match="none found: cupy sees 0 CUDA devices"):
         get_backend("cupy")

@@ -1,8 +1,13 @@
 """Backends: where the KV cache lives and how the paged-attention ops run.
 
     get_backend("numpy")  the NumPy reference backend (CPU)
-    get_backend("cupy")   the CuPy/CUDA backend (not written yet: a later issue)
-    get_backend("auto")   cupy when it exists and a GPU is usable, otherwise numpy
+    get_backend("cupy")   the CuPy/CUDA backend (refserve/backends/cupy_backend.py); a
+                          RuntimeError naming the cause when no CUDA GPU is usable
+    get_backend("auto")   cupy when a CUDA GPU is usable, otherwise numpy (the engine's
+                          start-up line says which: "auto→cupy" or "auto→numpy")
+
+"Usable" means: `import cupy` works (the `gpu` extra: cupy-cuda12x, or cupy-cuda13x for a
+CUDA 13 driver; both import as `cupy`) and cupy sees at least one CUDA device.
 
 The model only ever sees the `Backend` interface (refserve/backends/base.py).
 """
@@ -32,30 +37,29 @@ def _gpu_unavailable_reason() -> str | None:
     return None
 
 
-def get_backend(name: str = "auto") -> Backend:
+def get_backend(name: str = "auto", **options) -> Backend:
     """Return a backend by name: "numpy", "cupy" or "auto".
+
+    `options` go to the CuPy backend's constructor (e.g. device=0, enforce_eager=True) and
+    are ignored by the NumPy backend.
 
     Raises:
         ValueError: `name` is not one of config.BACKENDS.
-        RuntimeError: "cupy" was asked for but cupy or a CUDA GPU is missing.
-        NotImplementedError: "cupy" on a machine that could run it (the backend is not
-            written yet).
+        RuntimeError: "cupy" was asked for but cupy or a CUDA GPU is missing (the message
+            names the cause).
     """
     if name == "numpy":
         return NumpyBackend()
-    if name == "cupy":
+    if name in ("cupy", "auto"):
         reason = _gpu_unavailable_reason()
-        if reason is not None:
-            raise RuntimeError(
-                "backend='cupy' needs the gpu extra (pip install -e '.[gpu]') and a CUDA GPU; "
-                f"none found: {reason}"
-            )
-        raise NotImplementedError(
-            "backend='cupy': a CUDA GPU is available, but the CuPy backend is not written yet "
-            "(a later issue); use backend='numpy'"
+        if reason is None:
+            from refserve.backends.cupy_backend import CupyBackend  # imports cupy
+
+            return CupyBackend(**options)
+        if name == "auto":
+            return NumpyBackend()
+        raise RuntimeError(
+            "backend='cupy' needs the gpu extra (pip install -e '.[gpu]') and a CUDA GPU; "
+            f"none found: {reason}"
         )
-    if name == "auto":
-        # "auto" will pick cupy when a GPU is usable *and* the CuPy backend exists. It does
-        # not exist yet, so auto is numpy everywhere (and does not pay for importing cupy).
-        return NumpyBackend()
     raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(BACKENDS)}")
