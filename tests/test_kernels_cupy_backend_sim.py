@@ -35,6 +35,7 @@ class FakeRawModule:
 def fake_cupy(num_sms):
     device = SimpleNamespace(use=lambda: None, attributes={"MultiProcessorCount": num_sms})
     return SimpleNamespace(asarray=np.asarray, asnumpy=np.asarray, empty=np.empty,
+                           ascontiguousarray=np.ascontiguousarray,
                            RawModule=FakeRawModule,
                            cuda=SimpleNamespace(Device=lambda index: device))
 
@@ -118,3 +119,23 @@ def test_resolve_dtype_defaults_to_float16_and_refuses_bfloat16(make_backend):
     assert backend.resolve_dtype("float32") == np.float32
     with pytest.raises(ValueError, match="bfloat16"):
         backend.resolve_dtype("bfloat16")
+
+
+def test_rejection_sample_equals_the_numpy_op(make_backend):
+    """Same uniforms -> identical tokens, with draft probabilities and with n-gram (None)."""
+    from refserve.spec_decode.rejection_sampler import rejection_sample
+
+    backend = make_backend()
+    rng = np.random.default_rng(2)
+    batch, k, vocab = 3, 4, 300
+    target = rng.dirichlet(np.full(vocab, 0.1), size=(batch, k + 1)).astype(np.float32)
+    draft = rng.dirichlet(np.full(vocab, 0.1), size=(batch, k)).astype(np.float32)
+    drafts = rng.integers(vocab, size=(batch, k))
+    drafts[0] = target[0, :k].argmax(axis=-1)  # likely accepted: exercises the bonus token
+    drafts[1, 2:] = -1
+    for q in (draft, None):
+        args = (drafts, q, target, rng.random((batch, k)), rng.random(batch))
+        tokens, accepted = backend.rejection_sample(*args)
+        expected_tokens, expected_accepted = rejection_sample(*args)
+        np.testing.assert_array_equal(tokens, expected_tokens)
+        np.testing.assert_array_equal(accepted, expected_accepted)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-KERNEL_FILES = ("paged_attention.cu", "cache_ops.cu")
+KERNEL_FILES = ("paged_attention.cu", "cache_ops.cu", "rejection_sample.cu")
 
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -35,6 +35,8 @@ HEAD_DIMS = (64, 128)        # instantiated head dims (one 16-byte vector per la
 NUM_THREADS = 128            # threads per attention block: 4 warps
 MAX_GROUP = 8                # query heads per attention block (kMaxGroup in the .cu)
 PARTITION_SIZE = 512         # keys per v2 partition
+PROB_TYPES = {"float32": "float", "float64": "double"}  # rejection_sample probabilities
+REJECTION_SAMPLE_THREADS = 256  # kRsThreads in rejection_sample.cu
 MIN_BLOCKS_PER_SM = 2        # v1 is chosen once it launches at least this many blocks per SM
 ATTENTION_KERNELS = (
     "paged_attention_v1_kernel",
@@ -67,7 +69,12 @@ def name_expressions(dtypes=tuple(CUDA_TYPES), head_dims=HEAD_DIMS) -> list[str]
     names = [attention_kernel_name(k, d, h)
              for k in ATTENTION_KERNELS for d in dtypes for h in head_dims]
     names += [reduce_kernel_name(d) for d in dtypes]
+    names += [rejection_sample_kernel_name(p) for p in PROB_TYPES]
     return names + ["write_kv_kernel", "copy_blocks_kernel"]
+
+
+def rejection_sample_kernel_name(prob_dtype: str) -> str:
+    return f"rejection_sample_kernel<{PROB_TYPES[prob_dtype]}>"
 
 
 def kernel_source(file_name: str) -> str:
@@ -333,3 +340,48 @@ def copy_blocks_launch(k_cache, v_cache, src_to_dst) -> Launch | None:
         return None
     return Launch("copy_blocks_kernel", (src_to_dst.shape[0], 2, 1), (256, 1, 1),
                   (k_cache, v_cache, src_to_dst, np.int64(block_bytes // 16)))
+
+
+# ------------------------------------------------------------------- speculative decoding
+
+
+def rejection_sample_launch(output_token_ids, num_accepted, draft_token_ids, draft_probs,
+                            target_probs, accept_uniforms, draw_uniforms) -> Launch | None:
+    """The accept / residual-resample kernel for B rows (Backend.rejection_sample's contract);
+    None when B == 0. `draft_probs` None means one-hot q (n-gram drafts): the kernel then
+    gets target_probs as a stand-in pointer it never reads, and has_draft_probs = 0.
+
+    Checks shapes, dtypes and contiguity only: the values (ids in range, padding a suffix,
+    uniforms in [0, 1)) live on the device and are not read back.
+    """
+    _check_int_array("draft_token_ids", draft_token_ids, np.int64, 2)
+    batch, k = draft_token_ids.shape
+    _require(target_probs.ndim == 3 and target_probs.shape[:2] == (batch, k + 1)
+             and target_probs.flags.c_contiguous,
+             f"target_probs must be C-contiguous [B, k+1, V] = [{batch}, {k + 1}, V], "
+             f"got {target_probs.shape}")
+    prob = np.dtype(target_probs.dtype).name
+    _require(prob in PROB_TYPES, f"target_probs has {target_probs.dtype}; the kernel reads "
+             f"{', '.join(PROB_TYPES)}")
+    vocab = target_probs.shape[2]
+    if draft_probs is not None:
+        _require(draft_probs.shape == (batch, k, vocab) and draft_probs.dtype == target_probs.dtype
+                 and draft_probs.flags.c_contiguous,
+                 f"draft_probs must be C-contiguous {target_probs.dtype} {(batch, k, vocab)} "
+                 f"or None, got {draft_probs.dtype} {draft_probs.shape}")
+    _check_int_array("output_token_ids", output_token_ids, np.int64, 2)
+    _require(output_token_ids.shape == (batch, k + 1),
+             f"output_token_ids must be [B, k+1] = {(batch, k + 1)}")
+    _check_int_array("num_accepted", num_accepted, np.int64, 1)
+    _require(num_accepted.shape == (batch,), f"num_accepted must be [B] = ({batch},)")
+    for name, a, shape in (("accept_uniforms", accept_uniforms, (batch, k)),
+                           ("draw_uniforms", draw_uniforms, (batch,))):
+        _require(a.dtype == np.float64 and tuple(a.shape) == shape and a.flags.c_contiguous,
+                 f"{name} must be C-contiguous float64 {shape}, got {a.dtype} {a.shape}")
+    if batch == 0:
+        return None
+    return Launch(
+        rejection_sample_kernel_name(prob), (batch, 1, 1), (REJECTION_SAMPLE_THREADS, 1, 1),
+        (output_token_ids, num_accepted, draft_token_ids,
+         target_probs if draft_probs is None else draft_probs, target_probs, accept_uniforms,
+         draw_uniforms, np.int32(k), np.int32(vocab), np.int32(draft_probs is not None)))

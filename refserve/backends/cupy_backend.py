@@ -11,6 +11,8 @@ only turns those `Launch` records into `cupy.RawModule` calls, so it stays small
     paged_attention  decode rows (0 .. num_decodes-1): v1 or v2 + reduce, by
                      cuda_launch.choose_partitioning on host scalars;
                      the other rows (prefill chunks, verify): varlen_paged_attention_kernel
+    rejection_sample rejection_sample_kernel: the speculative accept / residual step, tokens
+                     bit-identical to the NumPy op for the same uniforms
 
 Nothing here reads a device value back to the host during a forward: every grid size comes
 from array shapes and the AttentionMetadata host scalars.
@@ -146,3 +148,27 @@ class CupyBackend(Backend):
                 buffer = self._workspace[name] = self.xp.empty(size, dtype=np.float32)
             work[name] = buffer[:size].reshape(shape)
         return work
+
+    # ------------------------------------------------------ speculative decoding
+
+    def rejection_sample(self, draft_token_ids, draft_probs, target_probs, accept_uniforms,
+                         draw_uniforms):
+        """See Backend.rejection_sample: one thread block per row (kernels/rejection_sample.cu),
+        the same tokens as the NumPy reference for the same uniforms. Only shapes are checked
+        on the host; the ids and uniforms are trusted (they stay on the device)."""
+        xp = self.xp
+        drafts = xp.ascontiguousarray(xp.asarray(draft_token_ids), dtype=np.int64)
+        target = xp.asarray(target_probs)
+        # float16 probabilities widen exactly to float32; float32 / float64 are read as given.
+        prob_dtype = np.float64 if target.dtype == np.float64 else np.float32
+        target = xp.ascontiguousarray(target, dtype=prob_dtype)
+        draft = (None if draft_probs is None
+                 else xp.ascontiguousarray(xp.asarray(draft_probs), dtype=prob_dtype))
+        accept_u = xp.ascontiguousarray(xp.asarray(accept_uniforms), dtype=np.float64)
+        draw_u = xp.ascontiguousarray(xp.asarray(draw_uniforms), dtype=np.float64)
+        batch, k = drafts.shape
+        output = xp.empty((batch, k + 1), dtype=np.int64)
+        num_accepted = xp.empty(batch, dtype=np.int64)
+        self._run(cl.rejection_sample_launch(output, num_accepted, drafts, draft, target,
+                                             accept_u, draw_u))
+        return output, num_accepted

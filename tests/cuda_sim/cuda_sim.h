@@ -12,7 +12,7 @@
 //   __shfl_sync / _xor / _down / _up (a per-warp std::barrier around an exchange buffer; only
 //   the full mask of the warp's lanes, anything else aborts), __half and __nv_bfloat16 with
 //   round-to-nearest-even conversions, the uint4 / float4 16-byte vectors (16-byte aligned,
-//   as on the GPU), the float math the kernels use (expf, fmaxf, ...), __global__ /
+//   as on the GPU), the float math the kernels use (expf, fmaxf, __dadd_rn, ...), __global__ /
 //   __device__ / __forceinline__ / __launch_bounds__ as no-ops, and a launcher:
 //   cuda_sim::launch(kernel, grid, block, args...), plus cuda_sim_launch(), a C entry point
 //   taking cuLaunchKernel-style parameter pointers for ctypes (CUDA_SIM_ENTRY_POINT).
@@ -93,6 +93,11 @@ inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+// Correctly rounded float64 operations that CUDA never contracts into an FMA; on the CPU a
+// plain operation is already one IEEE rounding (x86-64 SSE2, no FMA without -mfma).
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
 inline float __int_as_float(int i) {
   float f;
   std::memcpy(&f, &i, 4);
