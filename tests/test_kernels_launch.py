@@ -163,5 +163,7 @@ def test_copy_pairs_independence():
 
 def test_name_expressions_are_unique_and_complete():
     names = cl.name_expressions()
-    assert len(names) == len(set(names)) == 3 * 3 * 2 + 3 + 2
+    # 3 attention kernels x 3 dtypes x 2 head dims, 3 reduces, 2 rejection samplers, 2 copies
+    assert len(names) == len(set(names)) == 3 * 3 * 2 + 3 + 2 + 2
+    assert "rejection_sample_kernel<double>" in names
     assert "varlen_paged_attention_kernel<__nv_bfloat16, 128, 128>" in names
