@@ -13,6 +13,8 @@ only turns those `Launch` records into `cupy.RawModule` calls, so it stays small
                      the other rows (prefill chunks, verify): varlen_paged_attention_kernel
     rejection_sample rejection_sample_kernel: the speculative accept / residual step, tokens
                      bit-identical to the NumPy op for the same uniforms
+    sample           device_sampling.sample_tokens on cupy arrays (sort on the device): only
+                     the token ids leave the GPU
 
 Nothing here reads a device value back to the host during a forward: every grid size comes
 from array shapes and the AttentionMetadata host scalars.
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from refserve.backends import cuda_launch as cl
+from refserve.backends import device_sampling
 from refserve.backends.base import Backend
 
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
@@ -77,6 +80,9 @@ class CupyBackend(Backend):
     def free_device_memory(self) -> int | None:
         free, _ = self.xp.cuda.runtime.memGetInfo()
         return int(free) + int(self.xp.get_default_memory_pool().free_bytes())
+
+    def total_device_memory(self) -> int | None:
+        return int(self.xp.cuda.runtime.memGetInfo()[1])
 
     def _run(self, launch: cl.Launch | None) -> None:
         if launch is not None:
@@ -172,3 +178,24 @@ class CupyBackend(Backend):
         self._run(cl.rejection_sample_launch(output, num_accepted, drafts, draft, target,
                                              accept_u, draw_u))
         return output, num_accepted
+
+    # --------------------------------------------------------------------- sampling
+
+    def sample(self, logits, params, uniforms):
+        """One token per row of device logits [B, V] with each row's SamplingParams and its
+        uniform (read for non-greedy rows only), on the device: int64 [B] device array.
+
+        The rule is refserve/sampling.py's (device_sampling.py says where the two may differ:
+        only at float rounding of a CDF boundary). Rows with penalties, min_tokens or
+        logprobs are not supported here (device_sampling.rows_supported): use the host
+        Sampler for them.
+        """
+        if not device_sampling.rows_supported(params):
+            raise ValueError("CupyBackend.sample: penalties, min_tokens and logprobs run on "
+                             "the host Sampler (device_sampling.rows_supported is False)")
+        xp = self.xp
+        arrays = device_sampling.sampling_arrays(params, logits.shape[1])
+        return device_sampling.sample_tokens(
+            xp, logits, xp.asarray(arrays["temperature"]), xp.asarray(arrays["top_k"]),
+            xp.asarray(arrays["top_p"]), xp.asarray(arrays["min_p"]),
+            xp.asarray(np.asarray(uniforms, dtype=np.float64)))
