@@ -3,7 +3,9 @@
 Steps: admit new sequences (sharing prefixes, so prefix-cache hits happen), compute chunks
 of tokens ("write": apply the copy-on-write pairs, then write each token into a shadow KV
 array at the slots from slot_mapping), sample tokens, fork, preempt and readmit, free, and
-look up prefixes. Small pools make allocations fail and cached blocks get evicted.
+look up prefixes, and speculate (a verify step: the last token plus draft tokens computed
+at once, some drafts rejected, their K/V un-computed and the blocks they alone used trimmed).
+Small pools make allocations fail and cached blocks get evicted.
 
 The shadow KV stores, for every slot, the token id whose K/V would be there. So "the cache
 is correct" becomes checkable: every computed position of every live sequence reads back its
@@ -16,6 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from refserve.capacity import blocks_for_tokens
 from refserve.kv_cache import KVCacheManager, NoFreeBlocksError
 from refserve.sampling import SamplingParams
 from refserve.sequence import Sequence
@@ -133,6 +136,48 @@ class KVCacheMachine(RuleBasedStateMachine):
             seq.append_token(token)
 
     @precondition(lambda self: self.running)
+    @rule(index=seq_index, drafts=st.lists(st.integers(50, 53), min_size=1, max_size=6),
+          num_accepted=st.integers(0, 6), last=st.integers(50, 53))
+    def speculate(self, index, drafts, num_accepted, last):
+        """A verify step as the scheduler and engine run it: the last real token and the
+        drafts get slots and K/V, `num_accepted` drafts are kept and one recovered (or bonus)
+        token appended, num_computed_tokens = min(computed, num_tokens - 1) un-computes the
+        rejected drafts, and trim frees the blocks beyond the tokens."""
+        seq = self.pick(index)
+        if seq.num_computed_tokens != seq.num_tokens - 1:
+            return
+        m = self.manager
+        num_accepted = min(num_accepted, len(drafts))
+        start, n = seq.num_computed_tokens, 1 + len(drafts)
+        seq.spec_token_ids = list(drafts)
+        try:
+            copies = m.allocate_slots(seq, n)
+        except NoFreeBlocksError:
+            seq.spec_token_ids = []
+            return
+        for src, dst in copies:
+            self.shadow[dst] = list(self.shadow[src])
+        query = (seq.token_ids + seq.spec_token_ids)[start:start + n]
+        for token, slot in zip(query, m.slot_mapping(seq.seq_id, start, start + n),
+                               strict=True):
+            block, offset = divmod(slot, self.bs)
+            assert m.allocator.ref_count(block) == 1, f"write into shared block {block}"
+            self.shadow[block][offset] = token
+        for token in drafts[:num_accepted]:
+            seq.append_token(token)
+        if num_accepted < len(drafts):  # a recovered token differs from the rejected draft
+            rejected = drafts[num_accepted]
+            seq.append_token(last if last != rejected else last + 1)
+        else:
+            seq.append_token(last)  # the bonus token
+        seq.spec_token_ids = []
+        seq.num_computed_tokens = min(start + n, seq.num_tokens - 1)
+        freed = m.trim(seq, seq.num_tokens)
+        assert len(m.get_block_ids(seq.seq_id)) == blocks_for_tokens(seq.num_tokens, self.bs) \
+            or not freed
+        m.cache_full_blocks(seq)
+
+    @precondition(lambda self: self.running)
     @rule(index=seq_index)
     def fork(self, index):
         parent = self.pick(index)
@@ -197,6 +242,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert holders == [m.allocator.ref_count(b) for b in range(m.num_blocks)]
         for seq in self.waiting:
             assert not m.has_sequence(seq.seq_id)
+        # Rollback: no sequence holds a block lying wholly past its tokens (such a block
+        # could only hold rejected drafts' K/V).
+        for seq in self.running:
+            assert len(m.get_block_ids(seq.seq_id)) <= blocks_for_tokens(seq.num_tokens,
+                                                                         self.bs)
 
     @invariant()
     def kv_contents_are_right(self):

@@ -286,6 +286,36 @@ class KVCacheManager:
         for block_id in reversed(table.block_ids):
             self.allocator.free(block_id, to_front=not self.prefix_cache.is_cached(block_id))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Speculative rollback: free the sequence's trailing blocks beyond
+        blocks_for_tokens(num_tokens), tail first; returns the freed block ids.
+
+        After a verify step the rejected drafts' K/V slots are dead (the scheduler already
+        un-computed them), and a block holding only such slots would sit unused. Rules:
+          * num_tokens must be >= seq.num_computed_tokens: a block holding a computed
+            position is never freed;
+          * a freed block was never hashed (only computed full blocks are, and it holds no
+            computed position), so the prefix cache never advertises rejected K/V; it goes
+            to the head of the free queue, to be reused first;
+          * a block shared with a sibling (ref count > 1) only loses this reference.
+        """
+        if num_tokens < seq.num_computed_tokens:
+            raise ValueError(f"trim: sequence {seq.seq_id} has {seq.num_computed_tokens} "
+                             f"computed tokens; cannot keep only {num_tokens}")
+        table = self._table(seq.seq_id)
+        keep = blocks_for_tokens(num_tokens, self.block_size)
+        if len(table) <= keep:
+            return []
+        freed = table.block_ids[keep:]
+        self._tables[seq.seq_id] = BlockTable(self.block_size, table.array[:keep])
+        for block_id in reversed(freed):  # tail first
+            assert (self.allocator.ref_count(block_id) > 1
+                    or not self.prefix_cache.is_cached(block_id)), \
+                f"block {block_id} is cached but holds no computed position of {seq.seq_id}"
+            self.allocator.free(block_id, to_front=True)
+        del self._block_keys[seq.seq_id][keep:]
+        return freed
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Make the sequence's newly full, computed blocks findable by the prefix cache.
 

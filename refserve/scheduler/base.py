@@ -282,6 +282,10 @@ class SchedulerBase:
                     seq.spec_token_ids.clear()
                     status = self._append_tokens(seq, token_ids[seq.seq_id])
                     seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                    if row.num_logits > 1:
+                        # Speculative rollback: blocks holding only rejected drafts' slots
+                        # go back to the pool (the next step re-allocates what it needs).
+                        self.kv_cache_manager.trim(seq, seq.num_tokens)
                 self.kv_cache_manager.cache_full_blocks(seq)
                 if status is not None:
                     self._retire(seq, status)
@@ -367,6 +371,11 @@ class SchedulerBase:
         the one preempted."""
         num_tokens, computed_blocks = self._plan_row(seq, budget)
         while not self.kv_cache_manager.can_allocate(seq, num_tokens, computed_blocks):
+            if seq.spec_token_ids:
+                # Speculation is optional: drop seq's drafts before preempting anyone.
+                seq.spec_token_ids.clear()
+                num_tokens, computed_blocks = self._plan_row(seq, budget)
+                continue
             victim = self.running[-1]  # the newest running sequence
             if victim is seq and self._holding <= {seq.seq_id}:
                 raise RuntimeError(

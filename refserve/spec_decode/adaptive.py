@@ -1,0 +1,117 @@
+"""Don't lose speed to speculation: per request, how many draft tokens to propose next.
+
+A verify step with k' drafts emits on average E(α, k') = (1 - α^(k'+1)) / (1 - α) tokens
+(Leviathan et al.; `metrics.expected_tokens_per_pass`) and costs, relative to a plain decode
+step, about
+
+    cost(k') = 1 + k' · (VERIFY_COST_PER_TOKEN + draft_cost_per_token)
+
+VERIFY_COST_PER_TOKEN: one more query token in the target's pass. At small batch a decode is
+bound by reading the weights, which a verify reads once for all k'+1 tokens, so this is small.
+draft_cost_per_token: one draft forward per draft token, relative to the target's
+(0 for the n-gram proposer; about num_draft_layers / num_layers for a self-draft).
+
+THE RULE. Each sequence keeps a running estimate α̂ of its acceptance, and before each step
+proposes k' = argmax over k' in 0..k of E(α̂, k') / cost(k')   (ties: the smaller k'). So k
+shrinks as acceptance falls, and at k' = 0 the sequence stops speculating: a low-acceptance
+request decodes at plain speed, minus nothing but the estimate's bookkeeping.
+
+    α̂ = (A + PRIOR_ALPHA · PRIOR_WEIGHT) / (T + PRIOR_WEIGHT)
+
+where T counts the accept tests a verify step ran (accepted drafts + 1 if one was rejected:
+drafts after a rejection were never tested) and A the passed ones, both discounted by DECAY
+per verify step so the estimate follows a request whose text changes character (a quote ends,
+free text starts). The prior lets a fresh request speculate at full k until evidence arrives.
+
+Stopping must not be forever (acceptance changes when, e.g., the model starts quoting), so a
+sequence at k' = 0 for PROBE_EVERY consecutive steps probes once with PROBE_TOKENS drafts;
+a probe's outcome updates α̂ like any verify step.
+
+All constants are here and nowhere else; tests/test_spec_adaptive.py pins the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refserve.spec_decode.metrics import expected_tokens_per_pass
+
+VERIFY_COST_PER_TOKEN = 0.08  # extra cost of one more query token in a target pass
+PRIOR_ALPHA = 0.6             # α assumed before a request has been tested
+PRIOR_WEIGHT = 2.0            # ... worth this many accept tests
+DECAY = 0.8                   # weight of the past per verify step (≈ last 5 steps count)
+PROBE_EVERY = 8               # steps at k' = 0 before one probe
+PROBE_TOKENS = 2              # drafts in a probe
+
+
+def best_num_drafts(alpha: float, k: int, cost_per_draft: float) -> int:
+    """argmax over k' in 0..k of E(α, k') / (1 + k' · cost_per_draft); the smaller on ties."""
+    best, best_rate = 0, 1.0
+    for kk in range(1, k + 1):
+        rate = expected_tokens_per_pass(alpha, kk) / (1.0 + kk * cost_per_draft)
+        if rate > best_rate + 1e-12:
+            best, best_rate = kk, rate
+    return best
+
+
+@dataclass
+class _State:
+    accepted: float = 0.0    # discounted passed accept tests (A)
+    tested: float = 0.0      # discounted accept tests (T)
+    idle_steps: int = 0      # consecutive steps at k' = 0
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.tested + PRIOR_WEIGHT)
+
+
+class AdaptiveSpeculation:
+    """The rule of the module docstring, per sequence id. `enabled=False`: always k."""
+
+    def __init__(self, k: int, draft_cost_per_token: float = 0.0, enabled: bool = True):
+        self.k = k
+        self.cost_per_draft = VERIFY_COST_PER_TOKEN + draft_cost_per_token
+        self.enabled = enabled
+        self._states: dict[int, _State] = {}
+
+    def alpha(self, seq_id: int) -> float:
+        return self._states.get(seq_id, _State()).alpha
+
+    def num_drafts(self, seq_id: int) -> int:
+        """How many drafts this sequence should propose now (0: decode plainly). Counts the
+        step as idle when the answer is 0."""
+        if not self.enabled:
+            return self.k
+        state = self._states.setdefault(seq_id, _State())
+        n = best_num_drafts(state.alpha, self.k, self.cost_per_draft)
+        if n > 0:
+            state.idle_steps = 0
+            return n
+        state.idle_steps += 1
+        if state.idle_steps > PROBE_EVERY:
+            state.idle_steps = 0
+            return min(PROBE_TOKENS, self.k)
+        return 0
+
+    def observe(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
+        """One verify step's result: `num_accepted` of `num_draft` drafts accepted."""
+        if num_draft <= 0:
+            return
+        state = self._states.setdefault(seq_id, _State())
+        tests = num_accepted + (1 if num_accepted < num_draft else 0)
+        state.accepted = DECAY * state.accepted + num_accepted
+        state.tested = DECAY * state.tested + tests
+
+    def forget(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
+
+    def forget_all_but(self, live: set[int]) -> None:
+        for seq_id in [s for s in self._states if s not in live]:
+            del self._states[seq_id]
+
+
+if __name__ == "__main__":
+    for cost in (0.0, 0.3):
+        print(f"draft cost per token {cost}: best k' for k = 5 at α = 0.0 .. 1.0")
+        print("  ", [best_num_drafts(a / 10, 5, VERIFY_COST_PER_TOKEN + cost)
+                     for a in range(11)])
