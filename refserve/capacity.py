@@ -268,8 +268,9 @@ def check_pool_holds_one_sequence(num_blocks: int, block_size: int, max_model_le
     raise ValueError(
         f"the KV cache pool holds {num_blocks} blocks = {num_blocks * block_size} tokens "
         f"({memory_knob}), but one sequence of max_model_len={max_model_len} tokens needs "
-        f"{needed} blocks of {block_size}; give the KV cache more memory (or num_gpu_blocks "
-        f">= {needed}), or lower max_model_len to at most {num_blocks * block_size}")
+        f"{needed} blocks of {block_size}; give the KV cache more memory (or "
+        f"num_gpu_blocks_override >= {needed}), or lower max_model_len to at most "
+        f"{num_blocks * block_size}")
 
 
 if __name__ == "__main__":

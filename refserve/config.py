@@ -3,9 +3,11 @@
 | knob | meaning |
 | --- | --- |
 | block_size | tokens per KV block (PagedAttention page size) |
-| num_gpu_blocks | force the pool size in blocks (otherwise sized from memory) |
-| gpu_memory_utilization | fraction of free GPU memory the engine may use (GPU backends) |
-| kv_cache_memory | bytes of host memory for the KV pool on the NumPy backend |
+| num_gpu_blocks_override | force the pool size in blocks (otherwise sized from memory) |
+| gpu_memory_utilization | share of the device's TOTAL memory for weights + activations + KV |
+| kv_cache_memory_bytes | bytes of host memory for the KV pool on the NumPy backend |
+| seed | engine-level seed: requests without their own seed draw from it (None: not reproducible) |
+| enforce_eager | never capture CUDA graphs (vLLM's name; the NumPy backend is always eager) |
 | max_model_len | longest sequence (prompt + output) a request may reach |
 | max_num_seqs | seats in the running batch (continuous-batching slot cap) |
 | max_num_batched_tokens | token budget of one step (longer prompts: chunked prefill) |
@@ -14,18 +16,39 @@
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
 | dtype | weights and KV cache: auto (float32 on NumPy), float32, float16, bfloat16 |
 
+`num_gpu_blocks` and `kv_cache_memory` are the old spellings of the two renamed knobs: still
+accepted, with a FutureWarning once per process.
+
+gpu_memory_utilization has vLLM's meaning: the whole instance (weights, activations and KV
+cache) may use that fraction of the device's total memory, not of what happens to be free.
+
 Only the logits are upcast to float32, whatever the dtype. `BACKENDS` and `DTYPES` are the
 one list of each: `get_backend`, the CLIs and the validation here all read them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import warnings
+from dataclasses import InitVar, dataclass
 
 BACKENDS = ("auto", "numpy", "cupy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BATCHING = ("continuous", "static")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
+
+# Old name -> vLLM's name. The old names still work and warn once per process.
+DEPRECATED_ALIASES = {"num_gpu_blocks": "num_gpu_blocks_override",
+                      "kv_cache_memory": "kv_cache_memory_bytes"}
+_warned: set[str] = set()
+
+
+def warn_deprecated(old: str, new: str) -> None:
+    """Say once per process that `old` is a deprecated spelling of `new`."""
+    if old not in _warned:
+        _warned.add(old)
+        warnings.warn(f"{old} is deprecated: use {new} (vLLM's name)", FutureWarning,
+                      stacklevel=4)
 
 
 @dataclass
@@ -33,9 +56,9 @@ class EngineConfig:
     model: str | None = None
     backend: str = "auto"
     block_size: int = 16
-    num_gpu_blocks: int | None = None
+    num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int = 2 * 1024**3
+    kv_cache_memory_bytes: int = 2 * 1024**3
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -45,7 +68,26 @@ class EngineConfig:
     speculative_config: dict | None = None
     dtype: str = "auto"
 
-    def __post_init__(self) -> None:
+    seed: int | None = 0
+    enforce_eager: bool = False
+    # The deprecated spellings, accepted at construction only (see DEPRECATED_ALIASES).
+    num_gpu_blocks: InitVar[int | None] = None
+    kv_cache_memory: InitVar[int | None] = None
+
+    @classmethod
+    def keyword_names(cls) -> set[str]:
+        """Every keyword `EngineConfig(...)` accepts, the deprecated aliases included."""
+        return {f.name for f in dataclasses.fields(cls)} | set(DEPRECATED_ALIASES)
+
+    def __post_init__(self, num_gpu_blocks: int | None = None,
+                      kv_cache_memory: int | None = None) -> None:
+        for old, value in (("num_gpu_blocks", num_gpu_blocks),
+                           ("kv_cache_memory", kv_cache_memory)):
+            if value is not None:
+                new = DEPRECATED_ALIASES[old]
+                warn_deprecated(old, new)
+                setattr(self, new, value)
+
         def positive_int(name: str) -> None:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -61,12 +103,19 @@ class EngineConfig:
             raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}: choose one of "
                              f"{', '.join(KV_CACHE_LAYOUTS)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_memory"):
+                     "kv_cache_memory_bytes"):
             positive_int(name)
-        for name in ("num_gpu_blocks", "max_model_len"):
+        for name in ("num_gpu_blocks_override", "max_model_len"):
             if getattr(self, name) is not None:
                 positive_int(name)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(
+                self.seed, bool) or self.seed < 0):
+            raise ValueError(f"seed={self.seed!r}: must be an integer >= 0 or None")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r}: must be True or False")
+        if (isinstance(self.gpu_memory_utilization, bool)
+                or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: "
                              "must be in (0, 1]")
         if self.speculative_config is not None:

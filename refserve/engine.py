@@ -1,4 +1,6 @@
-"""The serving engine: `LLMEngine` (add_request / step / abort) and the offline `LLM` API.
+"""The serving engine: `LLMEngine`, with vLLM's method names: add_request / step /
+abort_request / has_unfinished_requests. (The offline `LLM` API is in refserve/llm.py;
+the outputs are refserve/outputs.py.)
 
 One `step()` is one iteration of continuous batching, six visible stages:
 
@@ -32,9 +34,12 @@ from refserve import capacity
 from refserve.backends import get_backend
 from refserve.config import EngineConfig
 from refserve.detokenizer import IncrementalDetokenizer
+from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
-from refserve.metrics import RequestMetrics, RunSummary, summarize
+from refserve.logprobs import compute_logprobs
+from refserve.metrics import RequestMetrics
 from refserve.model_runner import ModelRunner
+from refserve.outputs import CompletionOutput, RequestOutput
 from refserve.sampling import Sampler, SamplingParams, make_generator
 from refserve.scheduler import SampledTokens, Scheduler, SchedulerOutput, StaticScheduler
 from refserve.sequence import Sequence, SequenceStatus
@@ -51,33 +56,19 @@ class EngineStepError(RuntimeError):
 
 
 @dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-
-
-@dataclass
 class _Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    seed: int | None = None  # its own seed, else one drawn from the engine's seed
     seqs: list[Sequence] = field(default_factory=list)
     generators: dict[int, np.random.Generator] = field(default_factory=dict)
     stop_text_len: dict[int, int] = field(default_factory=dict)  # seq_id → text cut at stop
+    stop_reason: dict[int, int | str] = field(default_factory=dict)  # seq_id → string / id
+    logprobs: dict[int, list] = field(default_factory=dict)  # seq_id → one dict per token
+    prompt_logprobs: list | None = None
     detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
 
     @property
@@ -130,19 +121,17 @@ class LLMEngine:
             mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
             capacity.DTYPE_BYTES[self.dtype.name])
         bytes_per_block = capacity.kv_bytes_per_block(bytes_per_token, self.block_size)
-        if config.num_gpu_blocks is not None:
-            num_blocks = config.num_gpu_blocks
-            knob = f"num_gpu_blocks={num_blocks}"
+        if config.num_gpu_blocks_override is not None:
+            num_blocks = config.num_gpu_blocks_override
+            knob = f"num_gpu_blocks_override={num_blocks}"
         else:
             free_device = self.backend.free_device_memory()
             if free_device is not None:
-                # GPU: the weights are already on the device, so what is free is what the KV
-                # pool may take, times the headroom factor gpu_memory_utilization.
-                memory, utilization = free_device, config.gpu_memory_utilization
-                knob = f"gpu_memory_utilization={utilization} of {free_device} free bytes"
+                memory, knob = self._kv_budget_on_device(free_device)
+                utilization = 1.0
             else:
-                memory, utilization = config.kv_cache_memory, 1.0
-                knob = f"kv_cache_memory={memory} bytes"
+                memory, utilization = config.kv_cache_memory_bytes, 1.0
+                knob = f"kv_cache_memory_bytes={memory}"
             num_blocks = capacity.num_blocks_for_memory(memory, utilization, 0, bytes_per_block)
             # More blocks than max_num_seqs full-length sequences can use is wasted memory.
             num_blocks = min(num_blocks, config.max_num_seqs * capacity.blocks_for_tokens(
@@ -162,7 +151,12 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
-        self.kv_blocks_peak = 0
+        # vLLM's engine-level seed: an unseeded request gets its seed from this stream, so
+        # the same engine seed and the same requests give the same outputs.
+        self._seed_stream = np.random.default_rng(config.seed)
+        self._new_logprobs: dict = {}  # this step's sampled logprobs, by seq_id
+        self.kv_blocks_peak = 0             # since start-up
+        self.kv_blocks_peak_since_reset = 0  # since reset_kv_blocks_peak (one generate call)
         self.time_in_step = 0.0  # seconds inside step(); runner.time_in_forward is the model
         if progress:
             tokens = num_blocks * self.block_size
@@ -170,8 +164,8 @@ class LLMEngine:
                   f"{self.model_path.name} ({mc.num_parameters() / 1e6:.0f}M params) | KV cache "
                   f"{num_blocks} blocks × {self.block_size} tokens = {tokens} tokens, "
                   f"{num_blocks * bytes_per_block / 1024**3:.2f} GiB | max concurrency at "
-                  f"max_model_len {self.max_model_len}: {tokens / self.max_model_len:.2f}x",
-                  file=sys.stderr, flush=True)
+                  f"max_model_len {self.max_model_len}: {tokens / self.max_model_len:.2f}x"
+                  f" | sized by {knob}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str) -> list[int]:
@@ -179,21 +173,55 @@ class LLMEngine:
             raise ValueError(f"{self.model_path} has no tokenizer; pass prompt token ids")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def apply_chat_template(self, user_message: str) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"{self.model_path} has no chat template")
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": user_message}], tokenize=False,
-            add_generation_prompt=True)
+    def _kv_budget_on_device(self, free: int) -> tuple[int, str]:
+        """Bytes the KV pool may take on a GPU, vLLM's rule: the whole instance may use
+        gpu_memory_utilization × the device's TOTAL memory; what is already in use (weights,
+        CUDA context: total - free) and an estimate of one step's activations come off."""
+        util = self.config.gpu_memory_utilization
+        total = self.backend.total_device_memory()
+        mc, item = self.model.config, self.dtype.itemsize
+        # Activations of one step at the token budget: hidden states, q/k/v, MLP, logits.
+        tokens = self.config.max_num_batched_tokens
+        activations = (tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size) * item
+                       + min(tokens, self.config.max_num_seqs) * mc.vocab_size * 4)
+        in_use = total - free
+        budget = int(total * util) - in_use - activations
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={util}: the instance may use "
+                f"{capacity.format_bytes(total * util)} of the device's "
+                f"{capacity.format_bytes(total)}, but {capacity.format_bytes(in_use)} is in "
+                f"use already (weights, other processes) and one step's activations need "
+                f"{capacity.format_bytes(activations)}; raise gpu_memory_utilization")
+        return budget, (f"gpu_memory_utilization={util} of the device's total "
+                        f"{capacity.format_bytes(total)} (weights + activations + KV)")
 
-    def validate_request(self, prompt: str | list[int] | None,
-                         sampling_params: SamplingParams) -> list[int]:
+    def apply_chat_template(self, conversation, chat_template: str | None = None,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
+        """The prompt text of a conversation (a list of {"role", "content"} dicts; a plain
+        string is one user message), rendered with the model's chat template."""
+        if isinstance(conversation, str):
+            conversation = [{"role": "user", "content": conversation}]
+        if self.tokenizer is None or not (chat_template or getattr(
+                self.tokenizer, "chat_template", None)):
+            raise ValueError(f"{self.model_path} has no chat template; use generate() with a "
+                             "plain prompt, or pass chat_template=")
+        return self.tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message)
+
+    def validate_request(self, prompt, sampling_params: SamplingParams) -> list[int]:
         """Check one request before anything is allocated; returns its prompt token ids.
-        Raises ValueError naming the problem."""
+        `prompt`: any single-prompt form of refserve/inputs.py. Raises ValueError naming the
+        problem (TypeError for a prompt of no accepted form)."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(sampling_params).__name__}")
         sampling_params.validate()
+        if prompt is not None and not isinstance(prompt, list):
+            prompt = parse_prompt(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one token")
@@ -212,28 +240,41 @@ class LLMEngine:
         self.scheduler.check_fits(len(token_ids), sampling_params.n)
         return [int(t) for t in token_ids]
 
-    def add_request(self, request_id: str | None, prompt: str | list[int],
-                    sampling_params: SamplingParams | None = None,
+    def add_request(self, request_id: str | None, prompt,
+                    params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
-        sampling_params = sampling_params or SamplingParams()
+        """vLLM's `add_request(request_id, prompt, params)`: queue one request; its outputs
+        come from `step()`. `prompt`: text, token ids or a prompt dict (refserve/inputs.py);
+        request_id None picks a fresh one (refserve's extra). Returns the request id."""
+        params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._request_counter))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self.validate_request(prompt, sampling_params)
+        if prompt is not None and not isinstance(prompt, list):
+            prompt = parse_prompt(prompt)
+        token_ids = self.validate_request(prompt, params)
         now = time.perf_counter() if arrival_time is None else arrival_time
+        seed = params.seed
+        if seed is None and self.config.seed is not None:
+            seed = int(self._seed_stream.integers(2**31))
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
-                       sampling_params, RequestMetrics(arrival_time=now,
-                                                       num_prompt_tokens=len(token_ids)))
-        seq = Sequence(request_id, token_ids, sampling_params, now)
+                       params, RequestMetrics(arrival_time=now,
+                                              num_prompt_tokens=len(token_ids)), seed)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = self.score_prompt(token_ids, params.prompt_logprobs)
+        seq = Sequence(request_id, token_ids, params, now)
         self.scheduler.add_sequence(seq)  # gives the sequence its id
         req.seqs.append(seq)
-        req.generators[seq.seq_id] = make_generator(sampling_params.seed, 0)
+        req.generators[seq.seq_id] = make_generator(seed, 0)
         self.requests[request_id] = req
         return request_id
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a waiting, running or preempted request; its blocks are freed at once."""
+    def abort_request(self, request_id) -> bool:
+        """vLLM's name: stop a waiting, running or preempted request (or each of an
+        iterable of ids); its blocks are freed at once. True if any was still live."""
+        if not isinstance(request_id, str) and hasattr(request_id, "__iter__"):
+            return any([self.abort_request(r) for r in request_id])
         req = self.requests.get(request_id)
         if req is None:
             return False
@@ -243,8 +284,40 @@ class LLMEngine:
         del self.requests[request_id]
         return True
 
-    def has_unfinished(self) -> bool:
+    abort = abort_request  # refserve's older name
+
+    def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    has_unfinished = has_unfinished_requests  # refserve's older name
+
+    def score_prompt(self, token_ids: list[int], num_logprobs: int) -> list:
+        """vLLM's prompt_logprobs: entry j is {token_id: Logprob} for prompt token j given
+        tokens 0..j-1 (entry 0 is None), from one extra forward of the prompt through a
+        scratch KV cache of its own (so the serving pool and prefix cache are untouched),
+        in chunks of max_num_batched_tokens so the logits stay [chunk, vocab]."""
+        from refserve.scheduler.output import ScheduledSequence
+
+        n, bs = len(token_ids), self.block_size
+        num_blocks = capacity.blocks_for_tokens(n, bs)
+        runner = ModelRunner(self.model, self.backend, num_blocks, bs)
+        seq = Sequence("prompt-logprobs", token_ids, SamplingParams())
+        chunk = self.config.max_num_batched_tokens
+        result: list = [None]
+        for start in range(0, n, chunk):
+            size = min(chunk, n - start)
+            seq.num_computed_tokens = start
+            out = SchedulerOutput(step=0, scheduled=[ScheduledSequence(
+                seq, size, start, size, block_ids=list(range(num_blocks)))])
+            logits = runner.forward(runner.prepare(out))
+            # Row i predicts prompt token start + i + 1 (the prompt's last row predicts none).
+            targets = token_ids[start + 1:start + size + 1]
+            result += compute_logprobs(logits[:len(targets)], targets, num_logprobs,
+                                       self._decode_token)
+        return result
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
@@ -276,7 +349,9 @@ class LLMEngine:
         # The pool is at its fullest now: this step's blocks are allocated and nothing has
         # been retired yet (retiring frees blocks in update()).
         kv = self.kv_cache_manager
-        self.kv_blocks_peak = max(self.kv_blocks_peak, kv.num_blocks - kv.num_free_blocks)
+        in_use = kv.num_blocks - kv.num_free_blocks
+        self.kv_blocks_peak = max(self.kv_blocks_peak, in_use)
+        self.kv_blocks_peak_since_reset = max(self.kv_blocks_peak_since_reset, in_use)
         try:
             inputs = self.runner.prepare(out)
             self.runner.copy_blocks(out.block_copies)
@@ -303,6 +378,7 @@ class LLMEngine:
         raises, the generators it advanced are put back where they were.
         """
         rows = [s for s in out.scheduled if s.num_logits > 0]
+        self._new_logprobs = {}
         assert all(s.num_logits == 1 for s in rows), \
             "verify rows (num_logits > 1) go through the speculative accept step"
         assert len(logits) == len(rows), f"{len(logits)} logits rows for {len(rows)} rows"
@@ -311,22 +387,42 @@ class LLMEngine:
         states = [g.bit_generator.state for g in generators]
         result = SampledTokens()
         try:
-            tokens = self.sampler.sample(logits, [s.seq.sampling_params for s in rows],
-                                         generators)
+            tokens = self._sample_rows(logits, [s.seq for s in rows], generators)
             for i, (s, req, token) in enumerate(zip(rows, reqs, tokens)):
                 result.token_ids[s.seq.seq_id] = [token]
                 if s.seq.awaiting_fork:
                     firsts = []
                     for child in range(1, req.params.n):
-                        gen = make_generator(req.params.seed, child)
+                        gen = make_generator(req.seed, child)
                         result.generators[(s.seq.seq_id, child)] = gen
-                        firsts += self.sampler.sample(logits[i:i + 1], [req.params], [gen])
+                        firsts += self._sample_rows(logits[i:i + 1], [s.seq], [gen],
+                                                    [(s.seq.seq_id, child)])
                     result.fork_token_ids[s.seq.seq_id] = firsts
         except BaseException:
             for g, state in zip(generators, states):
                 g.bit_generator.state = state
             raise
         return result
+
+    def _sample_rows(self, logits: np.ndarray, seqs: list[Sequence],
+                     generators: list[np.random.Generator], keys: list | None = None
+                     ) -> list[int]:
+        """The Sampler on one logits row per sequence, given what its logits processors
+        read (each sequence's prompt and output ids, EOS: min_tokens and penalties). Rows
+        asking for logprobs leave theirs in `self._new_logprobs[key]` (key: seq_id, or
+        (parent seq_id, child index) for a child's first token) for `_postprocess`."""
+        params = [s.sampling_params for s in seqs]
+        context = dict(prompt_token_ids=[s.prompt_token_ids for s in seqs],
+                       output_token_ids=[s.output_token_ids for s in seqs],
+                       eos_token_id=self.eos_token_id)
+        if all(p.logprobs is None for p in params):
+            return self.sampler.sample(logits, params, generators, **context)
+        out = self.sampler.sample_with_logprobs(logits, params, generators,
+                                                decode=self._decode_token, **context)
+        for key, lp in zip(keys or [s.seq_id for s in seqs], out.logprobs):
+            if lp is not None:
+                self._new_logprobs[key] = lp
+        return out.token_ids
 
     def _postprocess(self, out: SchedulerOutput, sampled: SampledTokens,
                      now: float) -> list[RequestOutput]:
@@ -338,6 +434,9 @@ class LLMEngine:
             req.seqs.append(child)
             parent_id = req.seqs[0].seq_id
             req.generators[child.seq_id] = sampled.generators[(parent_id, child.child_index)]
+            lp = self._new_logprobs.pop((parent_id, child.child_index), None)
+            if lp is not None:
+                self._new_logprobs[child.seq_id] = lp
         touched: dict[str, _Request] = {}
         got_tokens = [row.seq for row in out.scheduled if row.seq.seq_id in sampled.token_ids]
         for seq in got_tokens + out.forked:
@@ -351,6 +450,12 @@ class LLMEngine:
                 m = req.metrics
                 m.finish_time = max(s.finish_time or now for s in req.seqs)
                 m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
+                # TPOT is per sequence: the n samples decode side by side, so their time
+                # between tokens is each one's, not the total over n.
+                decoding = [s for s in req.seqs if s.num_output_tokens > 1
+                            and s.first_token_time is not None]
+                m.decode_time = sum(s.finish_time - s.first_token_time for s in decoding)
+                m.num_decode_tokens = sum(s.num_output_tokens - 1 for s in decoding)
                 m.num_cached_tokens = req.seqs[0].num_cached_tokens
                 m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
         outputs = [self._output(req) for req in touched.values()]
@@ -362,10 +467,16 @@ class LLMEngine:
     def _advance_text(self, req: _Request, seq: Sequence, now: float) -> None:
         """New tokens of `seq`: first-token time, text, stop strings, finish time.
 
-        Stop strings are checked on every new token, also on the one that finished the
-        sequence by length (max_tokens / max_model_len): a stop string it completes still
-        cuts the text and makes the finish reason "stop", as in vLLM.
+        Stop strings are checked on every new token once min_tokens output tokens exist
+        (vLLM), also on the one that finished the sequence by length (max_tokens /
+        max_model_len): a stop string it completes still cuts the text and makes the finish
+        reason "stop", as in vLLM. The text is cut before the stop string, or after it with
+        include_stop_str_in_output; stop_reason is the matched string, or the stop token id
+        that ended the sequence (None for EOS and length).
         """
+        lp = self._new_logprobs.pop(seq.seq_id, None)
+        if lp is not None:
+            req.logprobs.setdefault(seq.seq_id, []).append(lp)
         if seq.first_token_time is None and seq.num_output_tokens > 0:
             seq.first_token_time = now
             if req.metrics.first_token_time is None:
@@ -375,33 +486,62 @@ class LLMEngine:
             detok = req.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
         old_len = len(detok.text)
         detok.update(seq.output_token_ids)
-        stops = req.params.stop
-        if stops and seq.seq_id not in req.stop_text_len:
+        params = req.params
+        stops = params.stop
+        if (stops and seq.seq_id not in req.stop_text_len
+                and seq.num_output_tokens >= params.min_tokens):
             text = detok.text
             # Only a match that ends in the new text is new: start the search far enough
             # back for the longest stop string to straddle the old/new boundary.
             since = max(0, old_len - max(map(len, stops)) + 1)
-            hits = [i for i in (text.find(st, since) for st in stops) if i >= 0]
+            hits = [(i, st) for i, st in ((text.find(st, since), st) for st in stops)
+                    if i >= 0]
             if hits:
-                req.stop_text_len[seq.seq_id] = min(hits)
+                at, stop = min(hits)
+                keep = len(stop) if params.include_stop_str_in_output else 0
+                req.stop_text_len[seq.seq_id] = at + keep
+                req.stop_reason[seq.seq_id] = stop
                 if seq.is_finished:  # finished by length on this very token
                     seq.status = SequenceStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        if (seq.status == SequenceStatus.FINISHED_STOPPED and seq.seq_id not in req.stop_reason
+                and seq.output_token_ids):
+            last = seq.output_token_ids[-1]
+            eos = last == self.eos_token_id and not params.ignore_eos
+            if not eos and last in params.stop_token_ids:
+                req.stop_reason[seq.seq_id] = last
         if seq.is_finished and seq.finish_time is None:
             seq.finish_time = now
 
     def _output(self, req: _Request) -> RequestOutput:
+        """The request's outputs so far (cumulative, as vLLM's default output kind).
+
+        While a sequence runs, the text holds back the last len(longest stop string) - 1
+        characters (as vLLM's detokenizer does): a stop string still being completed may
+        cut them, and a streamed prefix must never show text the final output drops."""
+        params = req.params
+        hold = (max(map(len, params.stop)) - 1
+                if params.stop and not params.include_stop_str_in_output else 0)
         completions = []
         for i, seq in enumerate(sorted(req.seqs, key=lambda s: s.child_index)):
             detok = req.detokenizers.get(seq.seq_id)
             text = detok.text if detok is not None else ""
             if seq.seq_id in req.stop_text_len:
                 text = text[:req.stop_text_len[seq.seq_id]]
-            completions.append(CompletionOutput(i, text, list(seq.output_token_ids),
-                                                seq.status.finish_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             req.finished, req.metrics)
+            elif hold and not seq.is_finished:
+                text = text[:max(0, len(text) - hold)]
+            lps = req.logprobs.get(seq.seq_id) if params.logprobs is not None else None
+            if params.logprobs is not None:
+                lps = lps or []
+            cumulative = (None if lps is None else float(sum(
+                d[t].logprob for d, t in zip(lps, seq.output_token_ids))))
+            completions.append(CompletionOutput(
+                i, text, list(seq.output_token_ids), cumulative, lps,
+                seq.status.finish_reason, req.stop_reason.get(seq.seq_id)))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                             req.prompt_logprobs, completions, req.finished, req.metrics,
+                             req.seqs[0].num_cached_tokens)
 
     def stats(self) -> dict:
         kv = self.kv_cache_manager
@@ -411,6 +551,7 @@ class LLMEngine:
             "slot_steps_wasted": self.scheduler.slot_steps_wasted,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_blocks_peak": self.kv_blocks_peak,
+            "kv_blocks_peak_since_reset": self.kv_blocks_peak_since_reset,
             "kv_blocks_total": kv.num_blocks,
             "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
@@ -419,85 +560,17 @@ class LLMEngine:
         }
 
 
-class LLM:
-    """Offline batch generation, vLLM-shaped: `LLM(...).generate(prompts, params)`."""
+    def reset_kv_blocks_peak(self) -> None:
+        """Start a new window for `kv_blocks_peak_since_reset` (one generate() call); the
+        cumulative `kv_blocks_peak` is kept."""
+        kv = self.kv_cache_manager
+        self.kv_blocks_peak_since_reset = kv.num_blocks - kv.num_free_blocks
 
-    def __init__(self, model: str | None = None, backend: str = "auto", block_size: int = 16,
-                 num_gpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_prefix_caching: bool = True, speculative_config: dict | None = None,
-                 progress: bool = True, **kwargs) -> None:
-        config = EngineConfig(model=model, backend=backend, block_size=block_size,
-                              num_gpu_blocks=num_gpu_blocks,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              enable_prefix_caching=enable_prefix_caching,
-                              speculative_config=speculative_config, **kwargs)
-        self.engine = LLMEngine(config, progress=progress)
-        self.last_summary: RunSummary | None = None
 
-    @classmethod
-    def from_config(cls, config: EngineConfig, progress: bool = True) -> LLM:
-        llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config, progress=progress)
-        llm.last_summary = None
-        return llm
-
-    def get_tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
-                 on_step=None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
-
-        prompts: a string, a list of strings, a list of token-id lists, or dicts
-        {"prompt_token_ids": [...]}. sampling_params: one for all or a list, one per prompt.
-        Every prompt is validated before any is queued: a bad one raises ValueError naming
-        its index and nothing is left behind.
-        """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                  else [sampling_params] * len(prompts))
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        engine = self.engine
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                engine.validate_request(p, sp)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
-        stats_before = engine.stats()
-        start = time.perf_counter()
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
-        results: dict[str, RequestOutput] = {}
-        from tqdm import tqdm
-        bar = tqdm(total=len(ids), desc="generate", unit="req",
-                   disable=not use_tqdm or len(ids) < 2)
-        try:
-            while len(results) < len(ids):
-                for o in engine.step():
-                    if on_step is not None:
-                        on_step(o)
-                    if o.finished:
-                        results[o.request_id] = o
-                        bar.update(1)
-        except BaseException:
-            for rid in ids:
-                if rid not in results:
-                    engine.abort(rid)
-            raise
-        finally:
-            bar.close()
-        elapsed = time.perf_counter() - start
-        outputs = [results[r] for r in ids]
-        stats = engine.stats()
-        delta = {k: stats[k] - stats_before.get(k, 0) for k in stats}
-        delta["kv_blocks_peak"] = stats["kv_blocks_peak"]
-        delta["kv_blocks_total"] = stats["kv_blocks_total"]
-        self.last_summary = summarize([o.metrics for o in outputs], elapsed, delta)
-        return outputs
+def __getattr__(name):
+    # `from refserve.engine import LLM` keeps working; LLM lives in refserve/llm.py (which
+    # imports this module, hence the lazy import).
+    if name == "LLM":
+        from refserve.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'refserve.engine' has no attribute {name!r}")

@@ -2,7 +2,11 @@
 
     TTFT  time to first token   = first_token_time - arrival_time   (prefill, compute-bound)
     TPOT  time per output token = (finish_time - first_token_time) / (output tokens - 1)
-                                                                      (decode, bandwidth-bound)
+                                  of ONE sequence (decode, bandwidth-bound); with n > 1
+                                  samples, sum of the sequences' decode times / sum of
+                                  their (tokens - 1): they decode side by side, so dividing
+                                  the request's time by all n samples' tokens would be n x
+                                  too small
     throughput                  = output tokens / wall time
     prefix-cache hit rate       = hit tokens / queried prompt tokens
     slot-steps                  = batch seats × steps; "used" advanced a live sequence,
@@ -25,6 +29,10 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0      # prefix-cache hit tokens
     num_preemptions: int = 0
+    # Per-sequence decode time and tokens after the first, summed over the n samples (set
+    # at finish by the engine); None: one sequence, TPOT from the request's own times.
+    decode_time: float | None = None
+    num_decode_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -36,6 +44,8 @@ class RequestMetrics:
     def tpot(self) -> float | None:
         if self.finish_time is None or self.first_token_time is None:
             return None
+        if self.num_decode_tokens is not None:
+            return self.decode_time / self.num_decode_tokens if self.num_decode_tokens else None
         if self.num_output_tokens < 2:
             return None
         return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)

@@ -21,7 +21,7 @@ def tiny_folder(tmp_path_factory):
 
 def make_llm(folder, **kw):
     kw.setdefault("block_size", 4)
-    kw.setdefault("num_gpu_blocks", 256)
+    kw.setdefault("num_gpu_blocks_override", 256)
     return LLM(model=str(folder), progress=False, **kw)
 
 
@@ -120,7 +120,7 @@ def test_bad_sampling_params(kwargs, match):
 
 
 def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
-    llm = make_llm(tiny_folder, num_gpu_blocks=20, max_model_len=64)
+    llm = make_llm(tiny_folder, num_gpu_blocks_override=20, max_model_len=64)
     engine = llm.engine
     good = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("ok-1", [5, 6, 7], good)
@@ -136,7 +136,7 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
             engine.add_request(None, prompt, good)
     # A pool too small for one max_model_len sequence is refused at start-up (issue 7 bug 3).
     with pytest.raises(ValueError, match="lower max_model_len to at most 16"):
-        make_llm(tiny_folder, num_gpu_blocks=4, max_model_len=64)
+        make_llm(tiny_folder, num_gpu_blocks_override=4, max_model_len=64)
     with pytest.raises(ValueError, match=r"SamplingParams\.n=9 is more than max_num_seqs"):
         make_llm(tiny_folder, max_num_seqs=8).engine.add_request(
             None, [5, 6], SamplingParams(n=9))
@@ -154,7 +154,7 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
 
 @pytest.mark.parametrize("when", ["waiting", "running", "preempted"])
 def test_abort_frees_blocks_at_once(tiny_folder, when):
-    llm = make_llm(tiny_folder, num_gpu_blocks=12, max_num_batched_tokens=64,
+    llm = make_llm(tiny_folder, num_gpu_blocks_override=12, max_num_batched_tokens=64,
                    max_model_len=48)
     engine = llm.engine
     kv = engine.kv_cache_manager
@@ -244,7 +244,7 @@ def test_contiguous_layout_matches_paged(tiny_folder):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     paged = make_llm(tiny_folder).generate(ps, params)
     contiguous = LLM(model=str(tiny_folder), progress=False, kv_cache_layout="contiguous",
-                     max_model_len=64, kv_cache_memory=1 << 20)
+                     max_model_len=64, kv_cache_memory_bytes=1 << 20)
     assert contiguous.engine.block_size == 64
     out = contiguous.generate(ps, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in paged]
@@ -257,25 +257,33 @@ def test_engine_config_errors(tiny_folder):
         LLMEngine(model=str(tiny_folder), batching="dynamic", progress=False)
     with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):
         LLMEngine(model=str(tiny_folder), max_model_len=4096, progress=False)
-    with pytest.raises(ValueError, match="holds 0 blocks.*kv_cache_memory=10 bytes"):
-        LLMEngine(model=str(tiny_folder), kv_cache_memory=10, progress=False)
+    with pytest.raises(ValueError, match="holds 0 blocks.*kv_cache_memory_bytes=10"):
+        LLMEngine(model=str(tiny_folder), kv_cache_memory_bytes=10, progress=False)
 
 
-def test_gpu_pool_sized_from_free_memory(tiny_folder, monkeypatch):
-    """A backend that reports free device memory gets free × gpu_memory_utilization."""
+def test_gpu_pool_sized_from_total_memory(tiny_folder, monkeypatch):
+    """vLLM's gpu_memory_utilization: the instance may use util × TOTAL device memory; what
+    is in use already (total - free) and one step's activations come off, the rest is KV."""
     import refserve.engine as engine_module
     from refserve.backends.numpy_backend import NumpyBackend
 
     class FakeDevice(NumpyBackend):
         def free_device_memory(self):
-            return 1_000_000
+            return 3_000_000           # 1 MB of the 4 MB device is in use (weights, context)
+
+        def total_device_memory(self):
+            return 4_000_000
 
     monkeypatch.setattr(engine_module, "get_backend", lambda name: FakeDevice())
-    engine = LLMEngine(model=str(tiny_folder), block_size=4, gpu_memory_utilization=0.5,
-                       progress=False)
+    def pool(utilization):
+        return LLMEngine(model=str(tiny_folder), block_size=4, max_num_batched_tokens=64,
+                         gpu_memory_utilization=utilization, progress=False).num_blocks
+
     bytes_per_block = 4 * (2 * 2 * 2 * 12 * 4)   # block_size × 2·layers·kv_heads·head_dim·4
-    assert engine.num_blocks == 500_000 // bytes_per_block
-    with pytest.raises(ValueError, match="gpu_memory_utilization=0.5 of 100 free bytes"):
-        monkeypatch.setattr(FakeDevice, "free_device_memory", lambda self: 100)
-        LLMEngine(model=str(tiny_folder), block_size=4, gpu_memory_utilization=0.5,
+    activations = 64 * (4 * 48 + 2 * 96) * 4 + 64 * 97 * 4   # hidden/MLP + logits rows
+    # 0.5 × 4 MB total - 1 MB in use - activations; the old "0.5 × free" would be 1.5 MB.
+    assert pool(0.5) == (2_000_000 - 1_000_000 - activations) // bytes_per_block
+    assert pool(0.3) == (1_200_000 - 1_000_000 - activations) // bytes_per_block
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.2: .* in use already"):
+        LLMEngine(model=str(tiny_folder), block_size=4, gpu_memory_utilization=0.2,
                   progress=False)

@@ -35,7 +35,7 @@ def test_pool_smaller_than_one_max_model_len_sequence_is_refused(tiny_folder):
         engine(tiny_folder, block_size=4, num_gpu_blocks=10, max_model_len=64)
     msg = str(err.value)
     for part in ("10 blocks = 40 tokens", "max_model_len=64", "needs 16 blocks",
-                 "num_gpu_blocks=10", "more memory", "num_gpu_blocks >= 16",
+                 "num_gpu_blocks_override=10", "more memory", "num_gpu_blocks_override >= 16",
                  "lower max_model_len to at most 40"):
         assert part in msg, (part, msg)
 
@@ -43,7 +43,7 @@ def test_pool_smaller_than_one_max_model_len_sequence_is_refused(tiny_folder):
 def test_pool_sized_from_kv_cache_memory_is_refused_with_the_knob_named(tiny_folder):
     # 20 blocks' worth of memory, but the model's default max_model_len (128) needs 32.
     memory = 20 * 4 * KV_BYTES_PER_TOKEN_F32
-    with pytest.raises(ValueError, match=rf"kv_cache_memory={memory} bytes.*max_model_len=128"):
+    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={memory}.*max_model_len=128"):
         engine(tiny_folder, block_size=4, kv_cache_memory=memory)
 
 

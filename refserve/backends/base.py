@@ -84,9 +84,14 @@ class Backend(abc.ABC):
                              "backend") from None
 
     def free_device_memory(self) -> int | None:
-        """Bytes of device memory still free (after the weights are loaded), from which the
-        engine sizes the KV pool as free × gpu_memory_utilization. None means the cache lives
-        in host memory, sized from `EngineConfig.kv_cache_memory` instead (NumPy)."""
+        """Bytes of device memory still free (after the weights are loaded). With
+        `total_device_memory` the engine sizes the KV pool by vLLM's rule: total ×
+        gpu_memory_utilization - (total - free) - activations. None means the cache lives in
+        host memory, sized from `EngineConfig.kv_cache_memory_bytes` instead (NumPy)."""
+        return None
+
+    def total_device_memory(self) -> int | None:
+        """Bytes of device memory in all (None on host-memory backends)."""
         return None
 
     def allocate_kv_cache(
