@@ -108,7 +108,8 @@ def _num_logits(row) -> int:
 class ModelRunner:
     """Owns the model and its KV cache; prepares, copies and runs one scheduler step."""
 
-    def __init__(self, model, backend, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model, backend, num_blocks: int, block_size: int,
+                 enforce_eager: bool = False) -> None:
         c = model.config
         self.model = model
         self.backend = backend
@@ -116,6 +117,11 @@ class ModelRunner:
         self.kv_caches = backend.allocate_kv_cache(
             c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
             dtype=getattr(model, "dtype", np.float32))
+        # CUDA graphs for pure decode steps (refserve/backends/cuda_graphs.py), on backends
+        # that offer them (CuPy); None: every step runs the eager forward.
+        make_graphs = None if enforce_eager else getattr(backend, "make_decode_graphs", None)
+        self.decode_graphs = (make_graphs(model, self.kv_caches, block_size)
+                              if make_graphs is not None else None)
         self.time_in_forward = 0.0  # seconds inside model.forward (the rest is overhead)
 
     # ------------------------------------------------------------------ stage 1: prepare
@@ -156,7 +162,9 @@ class ModelRunner:
                 input_ids[lo:hi] = _query_tokens(s.seq, start, s.num_tokens)
             positions[lo:hi] = np.arange(start, start + (hi - lo))
             if not s.is_padding:
-                slots[lo:hi] = compute_slots(block_tables[flat], positions[lo:hi],
+                # The row's own table, not the padded row: a position without a block raises
+                # IndexError instead of turning PAD_BLOCK into a negative slot.
+                slots[lo:hi] = compute_slots(block_tables[flat, :len(table)], positions[lo:hi],
                                              self.block_size)
             context_lens[flat] = start + (hi - lo)
         # Logits rows in scheduler order: each row's last num_logits tokens.
@@ -198,8 +206,13 @@ class ModelRunner:
         if inputs.num_tokens == 0:
             return np.zeros((0, self.model.config.vocab_size), dtype=np.float32)
         t0 = time.perf_counter()
-        logits = self.model.forward(inputs.input_ids_device, inputs.positions_device,
-                                    inputs.attn, self.kv_caches, inputs.logits_indices_device)
+        logits = None
+        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
+            logits = self.decode_graphs.run(inputs)  # None if the capture failed: eager
+        if logits is None:
+            logits = self.model.forward(inputs.input_ids_device, inputs.positions_device,
+                                        inputs.attn, self.kv_caches,
+                                        inputs.logits_indices_device)
         logits = self.backend.to_numpy(logits)
         self.time_in_forward += time.perf_counter() - t0
         return logits
