@@ -4,8 +4,6 @@
     python -m refserve.generate --chat "What is the capital of France?"
     python -m refserve.generate --file prompts.txt --json out.json    # many, with a summary
     echo "Once upon a time" | python -m refserve.generate
-    python -m refserve.generate --speculative-config '{"method": "ngram", \
-        "num_speculative_tokens": 4}' "Repeat this: ..."     # summary shows the acceptance
 
 Prompts come from the arguments, from --file (one per line, or JSONL with a "prompt" field)
 or from standard input. With one prompt the text streams as it is generated; with many a
@@ -54,10 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
                    default=True)
     e.add_argument("--batching", default="continuous", choices=BATCHING)
     e.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS)
-    e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
-                   '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
-                   '"num_speculative_tokens": 4, "model": "self", "num_draft_layers": 8}\'')
 
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=128)
@@ -69,16 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
     return p
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
-    return value
 
 
 def read_prompts(args, parser) -> list[str]:
@@ -124,18 +108,13 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching, batching=args.batching,
-            kv_cache_layout=args.kv_cache_layout,
-            speculative_config=args.speculative_config)
+            kv_cache_layout=args.kv_cache_layout)
     except ValueError as e:
         parser.error(str(e))
 
     from refserve.llm import LLM
 
-    try:
-        llm = LLM.from_config(config, progress=not args.quiet)
-    except ValueError as e:  # e.g. a draft model whose vocabulary is not the target's
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    llm = LLM.from_config(config, progress=not args.quiet)
     if args.chat:
         prompts = [llm.engine.apply_chat_template(p) for p in prompts]
 
