@@ -216,29 +216,3 @@ class ModelRunner:
         logits = self.backend.to_numpy(logits)
         self.time_in_forward += time.perf_counter() - t0
         return logits
-
-    # ------------------------------------------------- transitional (engine.step of before)
-    def entries_for(self, scheduler_output):
-        """Transitional: the old engine.step calls entries_for + execute. Removed once
-        LLMEngine.step uses prepare / copy_blocks / forward."""
-        return _Entries(scheduler_output)
-
-    def execute(self, entries, block_copies=()) -> np.ndarray:
-        """Transitional: copy_blocks, prepare, forward in one call."""
-        self.copy_blocks(block_copies)
-        return self.forward(self.prepare(entries.out))
-
-
-class _Entries(list):
-    """Transitional view of a scheduler output as the list of rows the old `execute` took
-    (each with `token_ids`), keeping the output itself for `prepare`."""
-
-    def __init__(self, out) -> None:
-        super().__init__(_EntryView(s) for s in out.scheduled)
-        self.out = out
-
-
-class _EntryView:
-    def __init__(self, s) -> None:
-        n = 1 if s.is_padding else s.num_tokens
-        self.token_ids = _query_tokens(s.seq, s.start, n)
