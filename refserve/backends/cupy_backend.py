@@ -50,7 +50,8 @@ class CupyBackend(Backend):
 
     name = "cupy"
 
-    def __init__(self, device: int = 0, partition_size: int = cl.PARTITION_SIZE) -> None:
+    def __init__(self, device: int = 0, partition_size: int = cl.PARTITION_SIZE,
+                 enforce_eager: bool = False) -> None:
         import cupy  # optional dependency: the `gpu` extra
 
         self.xp = cupy
@@ -60,6 +61,7 @@ class CupyBackend(Backend):
         self._module = load_module(cupy)
         self._partition_size = partition_size
         self._workspace: dict[str, Any] = {}  # v2 scratch, see _v2_workspace
+        self.enforce_eager = enforce_eager  # True: never capture CUDA graphs
 
     # ------------------------------------------------------------------ arrays
 
@@ -83,6 +85,17 @@ class CupyBackend(Backend):
 
     def total_device_memory(self) -> int | None:
         return int(self.xp.cuda.runtime.memGetInfo()[1])
+
+    def make_decode_graphs(self, model, kv_caches, block_size: int):
+        """CUDA graphs for the runner's pure decode steps (cuda_graphs.DecodeGraphs), or None
+        with enforce_eager. Graphs are captured lazily, per padded batch size and context
+        bucket, on first use."""
+        if self.enforce_eager:
+            return None
+        from refserve.backends.cuda_graphs import CupyCapturer, DecodeGraphs
+
+        return DecodeGraphs(model, self, kv_caches, block_size, CupyCapturer(self.xp),
+                            partition_size=self._partition_size)
 
     def _run(self, launch: cl.Launch | None) -> None:
         if launch is not None:
