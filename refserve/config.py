@@ -15,6 +15,7 @@
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
 | dtype | weights and KV cache: auto (float32 on NumPy), float32, float16, bfloat16 |
+| speculative_config | vLLM's dict: method ngram / draft_model, num_speculative_tokens, ... |
 
 `num_gpu_blocks` and `kv_cache_memory` are the old spellings of the two renamed knobs: still
 accepted, with a FutureWarning once per process.
@@ -31,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import InitVar, dataclass
+
+from refserve.spec_decode.config import SpeculativeConfig
 
 BACKENDS = ("auto", "numpy", "cupy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -65,7 +68,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     batching: str = "continuous"
     kv_cache_layout: str = "paged"
-    speculative_config: dict | None = None
+    speculative_config: dict | SpeculativeConfig | None = None
     dtype: str = "auto"
 
     seed: int | None = 0
@@ -119,5 +122,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: "
                              "must be in (0, 1]")
         if self.speculative_config is not None:
-            raise NotImplementedError("speculative_config: speculative decoding is not "
-                                      "implemented yet in this version of refserve")
+            # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}), checked
+            # and turned into a SpeculativeConfig (refserve/spec_decode/config.py).
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)

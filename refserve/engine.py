@@ -2,13 +2,15 @@
 abort_request / has_unfinished_requests. (The offline `LLM` API is in refserve/llm.py;
 the outputs are refserve/outputs.py.)
 
-One `step()` is one iteration of continuous batching, six visible stages:
+One `step()` is one iteration of continuous batching, six visible stages (seven when
+speculating: the proposal stage first):
 
+    engine.propose()                       # speculative only: drafts into seq.spec_token_ids
     out    = scheduler.schedule()          # admit / advance / preempt, under the budgets
     inputs = runner.prepare(out)           # flat batch + attention metadata (host scalars)
     runner.copy_blocks(out.block_copies)   # copy-on-write before anyone writes
     logits = runner.forward(inputs)        # per layer: write_kv, paged_attention
-    tokens = engine.sample(out, logits)    # one token per sampling row
+    tokens = engine.sample(out, logits)    # one token per sampling row; 1..k+1 per verify row
     scheduler.update(out, tokens)          # append, fork, hash full blocks, retire, free
 
 The public API mirrors vLLM's offline API, so code written against refserve moves to vLLM by
@@ -43,6 +45,10 @@ from refserve.outputs import CompletionOutput, RequestOutput
 from refserve.sampling import Sampler, SamplingParams, make_generator
 from refserve.scheduler import SampledTokens, Scheduler, SchedulerOutput, StaticScheduler
 from refserve.sequence import Sequence, SequenceStatus
+from refserve.spec_decode.adaptive import AdaptiveSpeculation
+from refserve.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from refserve.spec_decode.proposer import NgramProposer, Proposal
+from refserve.spec_decode.verify import verify
 
 
 class EngineStepError(RuntimeError):
@@ -113,6 +119,18 @@ class LLMEngine:
                              f"max_position_embeddings={mc.max_position_embeddings}")
         self.eos_token_id = mc.eos_token_id
 
+        # --- speculative decoding: the draft model (if any) shares the KV memory below.
+        spec = self.speculative_config = config.speculative_config
+        draft_model, draft_cost, draft_bytes_per_token = None, 0.0, 0
+        if spec is not None and spec.method == "draft_model":
+            draft_model, draft_cost = load_draft_model(
+                spec, self.model, self.backend, self.dtype, self.tokenizer, load_tokenizer,
+                self.max_model_len)
+            dc = draft_model.config
+            draft_bytes_per_token = capacity.kv_bytes_per_token(
+                dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim,
+                capacity.DTYPE_BYTES[self.dtype.name])
+
         # --- KV pool sizing: the blocks, not the weights, decide how many sequences fit.
         # All arithmetic is refserve/capacity.py's; this only picks its inputs.
         contiguous = config.kv_cache_layout == "contiguous"
@@ -121,6 +139,11 @@ class LLMEngine:
             mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
             capacity.DTYPE_BYTES[self.dtype.name])
         bytes_per_block = capacity.kv_bytes_per_block(bytes_per_token, self.block_size)
+        # With a draft model both caches get num_blocks blocks: the memory is split between
+        # them by bytes per token.
+        draft_bytes_per_block = (capacity.kv_bytes_per_block(draft_bytes_per_token,
+                                                             self.block_size)
+                                 if draft_bytes_per_token else 0)
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
             knob = f"num_gpu_blocks_override={num_blocks}"
@@ -132,7 +155,8 @@ class LLMEngine:
             else:
                 memory, utilization = config.kv_cache_memory_bytes, 1.0
                 knob = f"kv_cache_memory_bytes={memory}"
-            num_blocks = capacity.num_blocks_for_memory(memory, utilization, 0, bytes_per_block)
+            num_blocks = capacity.num_blocks_for_memory(
+                memory, utilization, 0, bytes_per_block + draft_bytes_per_block)
             # More blocks than max_num_seqs full-length sequences can use is wasted memory.
             num_blocks = min(num_blocks, config.max_num_seqs * capacity.blocks_for_tokens(
                 self.max_model_len, self.block_size))
@@ -149,6 +173,15 @@ class LLMEngine:
                                        eos_token_id=self.eos_token_id)
         self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size)
         self.sampler = Sampler()
+        self.proposer = None
+        if spec is not None:
+            self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                             if spec.method == "ngram" else
+                             DraftModelProposer(draft_model, self.backend, num_blocks,
+                                                self.block_size, draft_cost))
+        self.adaptive = AdaptiveSpeculation(spec.k if spec else 0, draft_cost,
+                                            enabled=spec is not None and spec.adaptive)
+        self._proposals: dict[int, Proposal] = {}  # this step's drafts, by seq_id
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         # vLLM's engine-level seed: an unseeded request gets its seed from this stream, so
@@ -166,6 +199,17 @@ class LLMEngine:
                   f"{num_blocks * bytes_per_block / 1024**3:.2f} GiB | max concurrency at "
                   f"max_model_len {self.max_model_len}: {tokens / self.max_model_len:.2f}x"
                   f" | sized by {knob}", file=sys.stderr, flush=True)
+            if spec is not None:
+                draft = ""
+                if draft_bytes_per_token:
+                    draft = (f"; KV memory split by bytes per token: target {bytes_per_token}"
+                             f" B, draft {draft_bytes_per_token} B -> draft cache "
+                             f"{num_blocks * draft_bytes_per_block / 1024**3:.2f} GiB")
+                method = (f"draft_model self ({spec.num_draft_layers} layers)"
+                          if spec.is_self_draft else spec.method)
+                print(f"refserve: speculative decoding {method}, k = {spec.k}, adaptive "
+                      f"{'on' if spec.adaptive else 'off'}{draft}", file=sys.stderr,
+                      flush=True)
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str) -> list[int]:
@@ -322,20 +366,24 @@ class LLMEngine:
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching, as six visible stages (a notebook can run
-        each one in its own cell, exactly like this):
+        each one in its own cell, exactly like this), plus the proposal stage when
+        speculating:
 
+            engine.propose()                       drafts into seq.spec_token_ids
             out    = scheduler.schedule()          who computes which tokens
             inputs = runner.prepare(out)           the flat batch + attention metadata
             runner.copy_blocks(out.block_copies)   copy-on-write before anyone writes
             logits = runner.forward(inputs)        per layer: write_kv, paged_attention
-            tokens = engine.sample(out, logits)    one token per sampling row
-            scheduler.update(out, tokens)          append, fork, retire, free
+            tokens = engine.sample(out, logits)    one token per sampling row, or the
+                                                   accept / residual step of a verify row
+            scheduler.update(out, tokens)          append, fork, roll back, retire, free
 
         If any stage before `update` fails, nothing of the step has been applied: the
         scheduler redoes the same work on the next step (or the failing request is aborted)
         and seeded requests draw the same random numbers again.
         """
         t_step = time.perf_counter()
+        self.propose()
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished():
@@ -364,12 +412,16 @@ class LLMEngine:
                 f"{ids}: {e!r}. The KV pool is consistent; call step() again or abort "
                 "these requests.", ids) from e
         self.scheduler.update(out, sampled)  # retired sequences' blocks are freed here
+        self._count_passes(out, sampled)
         outputs = self._postprocess(out, sampled, time.perf_counter())
         self.time_in_step += time.perf_counter() - t_step
         return outputs
 
     def sample(self, out: SchedulerOutput, logits: np.ndarray) -> SampledTokens:
-        """The sampling stage: one token per sampling row of `out`, from its logits row.
+        """The sampling stage: one token per sampling row of `out`, from its logits row;
+        1..k+1 tokens per speculative verify row (num_logits = k + 1), from its k + 1 logits
+        rows by the accept / residual-resample step (`spec_decode/verify.py`, which states the
+        order in which a verify row draws its uniforms from the sequence's generator).
 
         A parent of a parallel-sampling request (n > 1) that samples its first token also
         draws the first token of each child 1..n-1 from the same logits row, each with the
@@ -379,30 +431,114 @@ class LLMEngine:
         """
         rows = [s for s in out.scheduled if s.num_logits > 0]
         self._new_logprobs = {}
-        assert all(s.num_logits == 1 for s in rows), \
-            "verify rows (num_logits > 1) go through the speculative accept step"
-        assert len(logits) == len(rows), f"{len(logits)} logits rows for {len(rows)} rows"
+        first = np.cumsum([0] + [s.num_logits for s in rows])  # row i: logits[first[i]:...]
+        assert first[-1] == len(logits), f"{len(logits)} logits rows for {first[-1]} needed"
         reqs = [self.requests[s.seq.request_id] for s in rows]
         generators = [r.generators[s.seq.seq_id] for s, r in zip(rows, reqs)]
         states = [g.bit_generator.state for g in generators]
+        plain = [i for i, s in enumerate(rows) if s.num_logits == 1]
+        verifying = [i for i, s in enumerate(rows) if s.num_logits > 1]
         result = SampledTokens()
         try:
-            tokens = self._sample_rows(logits, [s.seq for s in rows], generators)
-            for i, (s, req, token) in enumerate(zip(rows, reqs, tokens)):
+            tokens = self._sample_rows(logits[first[plain]], [rows[i].seq for i in plain],
+                                       [generators[i] for i in plain]) if plain else []
+            for i, token in zip(plain, tokens):
+                s, req = rows[i], reqs[i]
                 result.token_ids[s.seq.seq_id] = [token]
                 if s.seq.awaiting_fork:
                     firsts = []
                     for child in range(1, req.params.n):
                         gen = make_generator(req.seed, child)
                         result.generators[(s.seq.seq_id, child)] = gen
-                        firsts += self._sample_rows(logits[i:i + 1], [s.seq], [gen],
-                                                    [(s.seq.seq_id, child)])
+                        firsts += self._sample_rows(logits[first[i]:first[i] + 1],
+                                                    [s.seq], [gen], [(s.seq.seq_id, child)])
                     result.fork_token_ids[s.seq.seq_id] = firsts
+            if verifying:
+                drafts = [rows[i].seq.spec_token_ids for i in verifying]
+                for i, d in zip(verifying, drafts):
+                    assert len(d) == rows[i].num_logits - 1, "a verify row is k drafts + 1"
+                emitted, _ = verify(
+                    [logits[first[i]:first[i + 1]] for i in verifying], drafts,
+                    [self._proposals[rows[i].seq.seq_id].truncated(len(d)).draft_probs
+                     for i, d in zip(verifying, drafts)],
+                    [rows[i].seq.sampling_params for i in verifying],
+                    [generators[i] for i in verifying], self.backend)
+                for i, toks in zip(verifying, emitted):
+                    result.token_ids[rows[i].seq.seq_id] = toks
         except BaseException:
             for g, state in zip(generators, states):
                 g.bit_generator.state = state
             raise
         return result
+
+    # ------------------------------------------------------------------ speculation
+    def propose(self) -> dict[int, Proposal]:
+        """The proposal stage (speculative decoding only; a no-op otherwise): fill
+        `seq.spec_token_ids` of every running, decode-ready sequence (num_computed_tokens ==
+        num_tokens - 1) with the proposer's drafts; returns them by seq_id. How many: see
+        `num_drafts`. The scheduler then schedules them after the real token (a verify
+        row), or drops those that do not fit the step's token budget or the pool; drafts of
+        preempted or retired sequences are dropped by the scheduler, and their proposer
+        state (a draft model's shadow sequence) is released here, on the next call."""
+        self._proposals = {}
+        if self.proposer is None:
+            return {}
+        running = self.scheduler.running
+        live = {seq.seq_id for seq in running}
+        self.proposer.release(live)
+        self.adaptive.forget_all_but(live)
+        seqs, counts = [], []
+        for seq in running:
+            seq.spec_token_ids.clear()  # drafts a step never scheduled are stale
+            n = self.num_drafts(seq)
+            if n > 0:
+                seqs.append(seq)
+                counts.append(n)
+        if not seqs:
+            return {}
+        for seq, proposal in zip(seqs, self.proposer.propose(seqs, counts)):
+            if proposal.token_ids:
+                seq.spec_token_ids.extend(proposal.token_ids)
+                self._proposals[seq.seq_id] = proposal
+        return self._proposals
+
+    def num_drafts(self, seq: Sequence) -> int:
+        """How many drafts `seq` may get now: 0 unless it is decode-ready and its params
+        allow speculation (no penalties, no logprobs, min_tokens already reached: those
+        need per-position logits processing the verify step does not do; a parent about to
+        fork samples its first token plainly). Otherwise the adaptive rule's k' (at most k),
+        capped so that the k' drafts and the recovered or bonus token exceed neither the
+        remaining max_tokens nor max_model_len: k' <= remaining - 1."""
+        sp = seq.sampling_params
+        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.awaiting_fork
+                or sp.has_penalties or sp.logprobs is not None
+                or seq.num_output_tokens < sp.min_tokens):
+            return 0
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
+        room = min(max_tokens - seq.num_output_tokens,
+                   self.max_model_len - seq.num_tokens) - 1
+        if room < 1:
+            return 0
+        return min(self.adaptive.num_drafts(seq.seq_id), room)
+
+    def _count_passes(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
+        """Per-request metrics of the step just applied: one target pass per sampling row;
+        for a verify row, drafts proposed (num_logits - 1) and accepted (tokens emitted - 1),
+        which also feed the adaptive rule."""
+        for row in out.scheduled:
+            seq = row.seq
+            tokens = sampled.token_ids.get(seq.seq_id)
+            req = self.requests.get(seq.request_id)
+            if row.is_padding or not row.samples or tokens is None or req is None:
+                continue
+            m = req.metrics
+            m.num_target_passes += 1
+            if row.num_logits > 1:
+                proposed, accepted = row.num_logits - 1, len(tokens) - 1
+                m.num_spec_verify_steps += 1
+                m.num_spec_proposed += proposed
+                m.num_spec_accepted += accepted
+                self.adaptive.observe(seq.seq_id, proposed, accepted)
 
     def _sample_rows(self, logits: np.ndarray, seqs: list[Sequence],
                      generators: list[np.random.Generator], keys: list | None = None

@@ -11,6 +11,14 @@
     prefix-cache hit rate       = hit tokens / queried prompt tokens
     slot-steps                  = batch seats × steps; "used" advanced a live sequence,
                                   "wasted" computed a finished one as padding (static batching)
+
+Speculative decoding (terms of refserve/spec_decode/__init__.py):
+    proposed / accepted         draft tokens sent to the target / kept
+    acceptance rate             = accepted / proposed
+    mean accepted length        = (accepted + verify steps) / verify steps: tokens emitted per
+                                  verify pass, the recovered or bonus token included
+    target passes per token     = target passes that sampled for the request / output tokens
+                                  (1.0 without speculation; below 1 is what speculation buys)
 """
 
 from __future__ import annotations
@@ -33,6 +41,23 @@ class RequestMetrics:
     # at finish by the engine); None: one sequence, TPOT from the request's own times.
     decode_time: float | None = None
     num_decode_tokens: int | None = None
+    num_target_passes: int = 0      # steps in which one of its sequences sampled
+    num_spec_verify_steps: int = 0  # ... of them verify steps (drafts were scored)
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return spec_acceptance_rate(self.num_spec_proposed, self.num_spec_accepted)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return spec_mean_accepted_length(self.num_spec_verify_steps, self.num_spec_accepted)
+
+    @property
+    def target_passes_per_output_token(self) -> float | None:
+        return (self.num_target_passes / self.num_output_tokens
+                if self.num_output_tokens else None)
 
     @property
     def ttft(self) -> float | None:
@@ -51,7 +76,18 @@ class RequestMetrics:
         return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ttft": self.ttft, "tpot": self.tpot}
+        return {**asdict(self), "ttft": self.ttft, "tpot": self.tpot,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length,
+                "target_passes_per_output_token": self.target_passes_per_output_token}
+
+
+def spec_acceptance_rate(proposed: int, accepted: int) -> float | None:
+    return accepted / proposed if proposed else None
+
+
+def spec_mean_accepted_length(verify_steps: int, accepted: int) -> float | None:
+    return (accepted + verify_steps) / verify_steps if verify_steps else None
 
 
 def percentile(values, q: float) -> float | None:
@@ -76,13 +112,48 @@ class RunSummary:
     num_steps: int
     slot_steps_used: int
     slot_steps_wasted: int
+    num_target_passes: int = 0
+    num_spec_verify_steps: int = 0
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+    speculative_method: str | None = None  # set by LLM.generate when the engine speculates
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return spec_acceptance_rate(self.num_spec_proposed, self.num_spec_accepted)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return spec_mean_accepted_length(self.num_spec_verify_steps, self.num_spec_accepted)
+
+    @property
+    def target_passes_per_output_token(self) -> float | None:
+        return (self.num_target_passes / self.num_output_tokens
+                if self.num_output_tokens else None)
 
     @property
     def output_tokens_per_s(self) -> float:
         return self.num_output_tokens / self.elapsed if self.elapsed > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s}
+        return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length,
+                "target_passes_per_output_token": self.target_passes_per_output_token}
+
+    def format_speculation(self) -> str:
+        """'spec ngram: acceptance 61.0% (122/200 drafts), mean accepted length 2.53,
+        target passes per output token 0.40' ('' when the run did not speculate)."""
+        if self.speculative_method is None and not self.num_spec_proposed:
+            return ""
+        rate = self.acceptance_rate
+        length = self.mean_accepted_length
+        passes = self.target_passes_per_output_token
+        return (f"spec {self.speculative_method or ''}: acceptance "
+                f"{'-' if rate is None else f'{rate:.1%}'} ({self.num_spec_accepted}/"
+                f"{self.num_spec_proposed} drafts), mean accepted length "
+                f"{'-' if length is None else f'{length:.2f}'}, target passes per output "
+                f"token {'-' if passes is None else f'{passes:.2f}'}")
 
     def format(self) -> str:
         def ms(x):
@@ -97,7 +168,8 @@ class RunSummary:
             f"KV blocks peak {self.kv_blocks_peak}/{self.kv_blocks_total} | "
             f"prefix hit rate {hit} | preemptions {self.num_preemptions} | "
             f"steps {self.num_steps}, slot-steps used {self.slot_steps_used} "
-            f"wasted {self.slot_steps_wasted}")
+            f"wasted {self.slot_steps_wasted}"
+            + (f" | {self.format_speculation()}" if self.format_speculation() else ""))
 
 
 def summarize(metrics: list[RequestMetrics], elapsed: float, engine_stats: dict) -> RunSummary:
@@ -119,4 +191,8 @@ def summarize(metrics: list[RequestMetrics], elapsed: float, engine_stats: dict)
         num_steps=engine_stats.get("num_steps", 0),
         slot_steps_used=engine_stats.get("slot_steps_used", 0),
         slot_steps_wasted=engine_stats.get("slot_steps_wasted", 0),
+        num_target_passes=sum(m.num_target_passes for m in metrics),
+        num_spec_verify_steps=sum(m.num_spec_verify_steps for m in metrics),
+        num_spec_proposed=sum(m.num_spec_proposed for m in metrics),
+        num_spec_accepted=sum(m.num_spec_accepted for m in metrics),
     )

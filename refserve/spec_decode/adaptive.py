@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 from refserve.spec_decode.metrics import expected_tokens_per_pass
 
-VERIFY_COST_PER_TOKEN = 0.08  # extra cost of one more query token in a target pass
-PRIOR_ALPHA = 0.6             # α assumed before a request has been tested
-PRIOR_WEIGHT = 2.0            # ... worth this many accept tests
-DECAY = 0.8                   # weight of the past per verify step (≈ last 5 steps count)
+VERIFY_COST_PER_TOKEN = 0.1   # extra cost of one more query token in a target pass
+PRIOR_ALPHA = 0.5             # α assumed before a request has been tested
+PRIOR_WEIGHT = 1.0            # ... worth this many accept tests
+DECAY = 0.9                   # weight of the past per verify step (≈ last 10 steps count)
 PROBE_EVERY = 8               # steps at k' = 0 before one probe
 PROBE_TOKENS = 2              # drafts in a probe
 
