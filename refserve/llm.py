@@ -141,7 +141,9 @@ class LLM:
         start = time.perf_counter()
         ids = [engine.add_request(None, p, sp) for p, sp in zip(batch, params)]
         results: dict[str, RequestOutput] = {}
-        self.partial_outputs = results     # what finished so far (read after a Ctrl-C)
+        index = {rid: i for i, rid in enumerate(ids)}
+        # Finished outputs in prompt order, None while running: what a Ctrl-C leaves.
+        self.partial_outputs: list[RequestOutput | None] = [None] * len(ids)
         from tqdm import tqdm
         bar = tqdm(total=len(ids), desc="generate", unit="req",
                    disable=not use_tqdm or len(ids) < 2)
@@ -152,6 +154,7 @@ class LLM:
                         on_step(o)
                     if o.finished:
                         results[o.request_id] = o
+                        self.partial_outputs[index[o.request_id]] = o
                         bar.update(1)
         except BaseException:
             for rid in ids:

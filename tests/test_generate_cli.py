@@ -33,13 +33,15 @@ def tiny_with_tokenizer(tmp_path_factory, request):
 
 def test_file_prompts_json_and_summary(tiny_with_tokenizer, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("hello there\nabc\n\n" + json.dumps({"prompt": "json line"}) + "\n")
+    # A plain-text file whose line starts with "{" is still plain text (not every line is
+    # a JSON object).
+    prompts.write_text("hello there\nabc\n\n{not json, a prompt\n")
     out = tmp_path / "out.json"
     rc = main(["--model", str(tiny_with_tokenizer), "--file", str(prompts), "--max-tokens", "5",
                "--ignore-eos", "--json", str(out), "--block-size", "4"])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert [o["prompt"] for o in data["outputs"]] == ["hello there", "abc", "json line"]
+    assert [o["prompt"] for o in data["outputs"]] == ["hello there", "abc", "{not json, a prompt"]
     assert all(len(o["outputs"][0]["token_ids"]) == 5 for o in data["outputs"])
     assert data["summary"]["num_requests"] == 3
     assert data["outputs"][0]["metrics"]["ttft"] > 0
@@ -56,13 +58,37 @@ def test_single_prompt_streams_and_chat(tiny_with_tokenizer, capsys):
     assert "summary: 1 requests" in captured.err
 
 
-def test_stdin_prompts(tiny_with_tokenizer):
-    r = subprocess.run([sys.executable, "-m", "refserve.generate", "--model",
-                        str(tiny_with_tokenizer), "--max-tokens", "3", "--ignore-eos",
-                        "--quiet"], input="one\ntwo\n", capture_output=True, text=True,
-                       timeout=120)
+def test_jsonl_requests_with_their_own_sampling_params(tiny_with_tokenizer, tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "hello", "max_tokens": 3},
+        {"prompt_token_ids": [5, 6, 7], "max_tokens": 6, "n": 2, "seed": 1,
+         "temperature": 1.0},
+        {"prompt": "abc"}]) + "\n")
+    out = tmp_path / "out.json"
+    rc = main(["--model", str(tiny_with_tokenizer), "--file", str(requests), "--max-tokens",
+               "4", "--ignore-eos", "--json", str(out), "--block-size", "4", "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())["outputs"]
+    assert [o["prompt"] for o in data] == ["hello", None, "abc"]
+    assert data[1]["prompt_token_ids"] == [5, 6, 7]
+    assert [[len(c["token_ids"]) for c in o["outputs"]] for o in data] == [[3], [6, 6], [4]]
+
+
+def run_cli(args, stdin):
+    return subprocess.run([sys.executable, "-m", "refserve.generate", *args], input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_stdin_is_one_prompt_and_file_dash_one_per_line(tiny_with_tokenizer, tmp_path):
+    common = ["--model", str(tiny_with_tokenizer), "--max-tokens", "3", "--ignore-eos"]
+    out = tmp_path / "one.json"
+    r = run_cli(common + ["--quiet", "--json", str(out)], "one\ntwo\n")
     assert r.returncode == 0, r.stderr
-    assert len(r.stdout.splitlines()) >= 2
+    assert [o["prompt"] for o in json.loads(out.read_text())["outputs"]] == ["one\ntwo"]
+    r = run_cli(common + ["--quiet", "--file", "-", "--json", str(out)], "one\ntwo\n")
+    assert r.returncode == 0, r.stderr
+    assert [o["prompt"] for o in json.loads(out.read_text())["outputs"]] == ["one", "two"]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -70,16 +96,20 @@ def test_stdin_prompts(tiny_with_tokenizer):
     (["--temperature", "-1", "x"], "temperature"),
     (["--top-p", "0", "x"], "top_p"),
     (["--block-size", "0", "x"], "block_size"),
-    (["--kv-cache-memory", "lots", "x"], "kv-cache-memory"),
+    (["--kv-cache-memory-bytes", "lots", "x"], "kv-cache-memory-bytes"),
     (["--file", "/nonexistent/prompts.txt"], "no such file"),
 ])
 def test_bad_flags_exit_with_a_clear_message(tiny_with_tokenizer, argv, message, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["--model", str(tiny_with_tokenizer)] + argv)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    try:
+        rc = main(["--model", str(tiny_with_tokenizer)] + argv)
+    except SystemExit as exit_:   # argparse's own checks exit from inside parse_args
+        rc = exit_.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and len(err.splitlines()) == 1
 
 
 def test_bad_model_path_is_reported(capsys):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        main(["--model", "/nonexistent/model", "hi"])
+    assert main(["--model", "/nonexistent/model", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "does not exist" in err

@@ -1,0 +1,120 @@
+"""Where `python -m refserve.generate` gets its requests: arguments, a file, or stdin.
+
+    --file prompts.txt    one prompt per non-blank line
+    --file requests.jsonl one JSON object per line: {"prompt": "..."} or
+                          {"prompt_token_ids": [...]}, plus any SamplingParams field for that
+                          request ({"prompt": "Hi", "max_tokens": 8, "temperature": 0.7})
+    --file -              the same, read from stdin
+    (piped stdin)         the whole of stdin is ONE prompt (it may span lines)
+
+A file is JSONL when its name ends in .jsonl, or when every non-blank line is a JSON
+object; so a plain-text prompt that happens to start with "{" is still plain text.
+Every problem is a `PromptFileError` (a ValueError) naming the file, the line and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+
+from refserve.sampling_params import SamplingParams
+
+SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class PromptFileError(ValueError):
+    """A prompt source the user gave cannot be read; the message says where and why."""
+
+
+@dataclass
+class PromptSpec:
+    """One request from the command line: its prompt and its own SamplingParams fields."""
+
+    prompt: str | list[int]
+    overrides: dict = field(default_factory=dict)
+
+
+def read_text(path: str) -> str:
+    """The file's text (or stdin's for "-"), as UTF-8; PromptFileError if it is not."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
+    except FileNotFoundError:
+        raise PromptFileError(f"--file {path}: no such file") from None
+    except IsADirectoryError:
+        raise PromptFileError(f"--file {path}: is a folder; give a file") from None
+    except OSError as e:
+        raise PromptFileError(f"--file {path}: cannot read it ({e.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptFileError(
+            f"--file {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "save it as UTF-8") from None
+
+
+def _json_object(line: str):
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def is_jsonl(path: str, lines: list[str]) -> bool:
+    """JSONL by name (.jsonl), or because every non-blank line is a JSON object."""
+    return path.endswith(".jsonl") or bool(lines) and all(
+        _json_object(ln) is not None for ln in lines)
+
+
+def parse_jsonl_line(path: str, number: int, line: str) -> PromptSpec:
+    obj = _json_object(line)
+    where = f"--file {path} line {number}"
+    if obj is None:
+        raise PromptFileError(f"{where}: not a JSON object ({line[:40]!r})")
+    has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
+    if has_text == has_ids:
+        raise PromptFileError(f"{where}: give exactly one of 'prompt' (a string) or "
+                              "'prompt_token_ids' (a list of integers)")
+    prompt = obj.pop("prompt") if has_text else obj.pop("prompt_token_ids")
+    if has_text and not isinstance(prompt, str):
+        raise PromptFileError(f"{where}: 'prompt' must be a string")
+    if has_ids and not (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        raise PromptFileError(f"{where}: 'prompt_token_ids' must be a non-empty list of "
+                              "integers")
+    unknown = sorted(set(obj) - SAMPLING_KEYS)
+    if unknown:
+        raise PromptFileError(f"{where}: unknown key(s) {unknown}; a line holds 'prompt' or "
+                              f"'prompt_token_ids' plus SamplingParams fields: "
+                              f"{', '.join(sorted(SAMPLING_KEYS))}")
+    return PromptSpec(prompt, obj)
+
+
+def read_prompt_file(path: str) -> list[PromptSpec]:
+    """The requests of a prompt file (see the module docstring); "-" reads stdin."""
+    text = read_text(path)
+    numbered = [(i, ln) for i, ln in enumerate(text.splitlines(), 1) if ln.strip()]
+    if not numbered:
+        raise PromptFileError(f"--file {path}: no prompts in it")
+    if is_jsonl(path, [ln for _, ln in numbered]):
+        return [parse_jsonl_line(path, i, ln) for i, ln in numbered]
+    return [PromptSpec(ln) for _, ln in numbered]
+
+
+def read_prompts(prompts: list[str], file: str | None, stdin=None) -> list[PromptSpec]:
+    """Prompt arguments, or --file, or piped stdin as one prompt; exactly one source."""
+    if prompts and file is not None:
+        raise PromptFileError("give prompts as arguments or with --file, not both")
+    if prompts:
+        return [PromptSpec(p) for p in prompts]
+    if file is not None:
+        return read_prompt_file(file)
+    stdin = sys.stdin if stdin is None else stdin
+    if stdin is not None and not stdin.isatty():
+        text = read_text("-").strip()
+        if text:
+            return [PromptSpec(text)]
+    raise PromptFileError("no prompt given: pass a prompt, --file FILE (--file - reads one "
+                          "prompt per line from stdin), or pipe one prompt on stdin")
