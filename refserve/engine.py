@@ -171,7 +171,8 @@ class LLMEngine:
         self.scheduler = scheduler_cls(config.max_num_seqs, config.max_num_batched_tokens,
                                        self.kv_cache_manager, self.max_model_len,
                                        eos_token_id=self.eos_token_id)
-        self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size)
+        self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size,
+                                  enforce_eager=config.enforce_eager)
         self.sampler = Sampler()
         self.proposer = None
         if spec is not None:
