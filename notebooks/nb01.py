@@ -23,8 +23,8 @@ KV is still findable by the prefix cache.
 """),
     ("code", r"""
 import matplotlib.pyplot as plt
+from kvpictures import before_after, snapshot
 
-from kvpictures import before_after, draw_kv, snapshot
 from refserve.kv_cache import KVCacheManager
 from refserve.sampling import SamplingParams
 from refserve.sequence import Sequence

@@ -28,8 +28,8 @@ import time
 
 import matplotlib.pyplot as plt
 import numpy as np
-
 from kvpictures import before_after, snapshot
+
 from refserve import LLM, SamplingParams
 
 POOL = dict(num_gpu_blocks=10, block_size=4, max_model_len=40,   # 10 blocks x 4 = 40 slots

@@ -43,8 +43,10 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     _require_positive_int("block_size", block_size)
     if not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens={num_tokens!r}: must be an integer >= 0")
+    # BEGIN EXERCISE blocks_for_tokens: ceil(num_tokens / block_size) in integers (no floats)
     # -(-a // b) is ceiling division on integers, with no float rounding.
     return -(-num_tokens // block_size)
+    # END EXERCISE
 
 
 def last_block_fill(num_tokens: int, block_size: int) -> int:

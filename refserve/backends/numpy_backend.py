@@ -210,12 +210,14 @@ class NumpyBackend(Backend):
         entries lie past those blocks and are never read. If the keys all sit in the first
         block (the contiguous cache), a slice of that block is already the answer: a view.
         """
+        # BEGIN EXERCISE paged_attention_gather: key n is in block block_table[n // bs] at n % bs
         block_size = cache.shape[1]
         if num_keys <= block_size:
             return cache[block_table[0], :num_keys]
         num_blocks = -(-num_keys // block_size)
         blocks = np.take(cache, block_table[:num_blocks], axis=0)  # [nb, block_size, Hkv, D]
         return blocks.reshape(-1, *cache.shape[2:])[:num_keys]
+        # END EXERCISE
 
     def _chunk(
         self,

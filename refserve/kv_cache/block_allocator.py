@@ -107,6 +107,7 @@ class BlockAllocator:
         before any cached block is evicted).
         """
         self._check_id(block_id)
+        # BEGIN EXERCISE allocator_free: refuse a double free; decref; at 0 join the free queue
         if self._ref_counts[block_id] == 0:
             raise ValueError(f"block {block_id} is already free (ref count 0): double free")
         self._ref_counts[block_id] -= 1
@@ -116,6 +117,7 @@ class BlockAllocator:
         if to_front:
             self._free_queue.move_to_end(block_id, last=False)
         return True
+        # END EXERCISE
 
     # ---- checks --------------------------------------------------------------------------
 

@@ -80,7 +80,9 @@ class BlockTable:
 
     def num_new_blocks(self, num_tokens: int) -> int:
         """Blocks to append so that positions [0, num_tokens) all have a slot."""
+        # BEGIN EXERCISE append_rule: blocks needed for num_tokens minus blocks held, never < 0
         return max(0, self.blocks_needed(num_tokens) - self._len)
+        # END EXERCISE
 
     @property
     def num_slots(self) -> int:

@@ -110,6 +110,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or seq.seq_id in self._tables:
             return [], 0
+        # BEGIN EXERCISE prefix_cache_lookup: chained keys of full blocks to the first miss
         bs = self.block_size
         max_hit_blocks = max(0, seq.num_tokens - 1) // bs
         blocks: list[int] = []
@@ -123,6 +124,7 @@ class KVCacheManager:
             # Chain on the stored key object: later equality checks stop at it at once.
             parent = self.prefix_cache.key_of(block_id)
         return blocks, len(blocks) * bs
+        # END EXERCISE
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -205,10 +207,12 @@ class KVCacheManager:
 
         copies: list[tuple[int, int]] = []
         for logical in cow:
+            # BEGIN EXERCISE copy_on_write: private block for a shared one; drop a ref; (src, dst)
             new_block = self._take_free_block()
             old_block = table.replace(logical, new_block)
             self.allocator.free(old_block)  # ref count > 1, so it stays held by the others
             copies.append((old_block, new_block))
+            # END EXERCISE
 
         # A block being written is no longer "full with computed KV" for this sequence. In
         # normal operation writes start after the hashed blocks and this does nothing; it

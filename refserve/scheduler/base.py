@@ -376,6 +376,7 @@ class SchedulerBase:
                 seq.spec_token_ids.clear()
                 num_tokens, computed_blocks = self._plan_row(seq, budget)
                 continue
+            # BEGIN EXERCISE scheduler_preempt: preempt the NEWEST running sequence (maybe seq)
             victim = self.running[-1]  # the newest running sequence
             if victim is seq and self._holding <= {seq.seq_id}:
                 raise RuntimeError(
@@ -386,6 +387,7 @@ class SchedulerBase:
             self._preempt(victim, out)
             if victim is seq:
                 return None
+            # END EXERCISE
         return self._schedule_row(seq, num_tokens, computed_blocks, out)
 
     def _plan_row(self, seq: Sequence, budget: int) -> tuple[int, list[int]]:

@@ -46,6 +46,7 @@ class Scheduler(SchedulerBase):
           * the pool holds them: kv.can_allocate (after prefix-cache hits).
         Otherwise admission stops for this step; nobody behind the head is considered.
         """
+        # BEGIN EXERCISE scheduler_admit: FCFS from the head while seats, budget and blocks allow
         seats_used = self.num_seats_used
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -61,3 +62,4 @@ class Scheduler(SchedulerBase):
             seats_used += seq.num_seats
             out.admitted.append(seq.seq_id)
             budget -= num_tokens
+        # END EXERCISE

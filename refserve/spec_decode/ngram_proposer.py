@@ -35,6 +35,7 @@ def propose(token_ids: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: in
     if not isinstance(max_n, (int, np.integer)) or max_n < min_n:
         raise ValueError(f"max_n={max_n!r}: must be an integer >= min_n={min_n} "
                          "(prompt_lookup_max)")
+    # BEGIN EXERCISE ngram_proposal: longest suffix n first, its MOST RECENT earlier match, next k
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)
     if length < 2:
@@ -56,6 +57,7 @@ def propose(token_ids: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: in
     if best_end is None:
         return []
     return tokens[best_end + 1 : best_end + 1 + k].tolist()
+    # END EXERCISE
 
 
 if __name__ == "__main__":

@@ -123,6 +123,7 @@ def rejection_sample(
     is_draft = np.arange(k)[None, :] < num_draft[:, None]  # [B, k]
     x = np.where(is_draft, draft_token_ids, 0)  # padding reads token 0, then is masked out
 
+    # BEGIN EXERCISE accept_residual: accept iff u*q(x) < p(x); rejected: max(0, p - q)
     # The accept test at every draft position at once; only the leading run counts.
     p_x = np.take_along_axis(target_probs[:, :k], x[..., None], axis=-1)[..., 0]
     if draft_probs is None:
@@ -147,6 +148,7 @@ def rejection_sample(
         else:
             q_j = draft_probs[rejected, jr]
         weights[rejected] = residual_weights(p_j, q_j)
+    # END EXERCISE
     last = inverse_cdf_draw(weights, draw_uniforms)
 
     output = np.full((batch, k + 1), PADDING_TOKEN_ID, dtype=np.int64)

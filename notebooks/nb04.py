@@ -1,0 +1,180 @@
+"""Cells of notebooks/04_capacity_and_the_contract.ipynb (built by build_notebooks.py)."""
+
+CELLS = [
+    ("md", r"""
+# 04 · Capacity and the contract
+
+Weights decide whether a model loads; **KV memory decides how many users it serves at once.**
+This notebook does the capacity arithmetic with `refserve.capacity`, replays the "it fits in
+memory" war story (the weights fit, the KV cache at peak does not) on the embedded model with
+a small pool, and measures TTFT and TPOT against batch size in-process.
+
+* WARMUP.md §2 (capacity), §10 (the contract), §11 (war stories)
+* code: `refserve/capacity.py`, `refserve/metrics.py`, `refserve/scheduler/base.py` (preemption)
+* grading: `pytest -m capacity`, `-m preemption`, `-m engine`
+"""),
+    ("code", r"""
+import matplotlib.pyplot as plt
+import numpy as np
+
+from refserve import LLM, SamplingParams
+from refserve import capacity as cap
+from refserve.engine import load_tokenizer, resolve_model_path
+"""),
+    ("md", r"""
+## 1. The capacity math
+
+    KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × dtype bytes
+    pool (blocks)      = floor((memory × utilisation − weights) / (block_size × bytes per token))
+    max concurrency    = floor(pool / ceil(context / block_size))
+
+For the embedded SmolLM2-135M and for a Llama-3-8B shape, both in float16, on an 80 GiB card
+at `gpu_memory_utilization = 0.9` and 8192 tokens of context:
+"""),
+    ("code", r"""
+GiB = 2**30
+memory, utilization, block_size, context = 80 * GiB, 0.9, 16, 8192
+rows = {}
+for name, config in cap.PRESETS.items():
+    shape = cap.model_shape(config)
+    per_token = cap.kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"],
+                                       shape["head_dim"], cap.DTYPE_BYTES["float16"])
+    weights = cap.weights_bytes(config, cap.DTYPE_BYTES["float16"])
+    pool = cap.num_blocks_for_memory(memory, utilization, weights,
+                                     cap.kv_bytes_per_block(per_token, block_size))
+    per_seq = cap.blocks_for_tokens(context, block_size)
+    rows[name] = (per_token, weights, pool, per_seq,
+                  cap.max_concurrent_sequences(pool, context, block_size))
+    print(f"{name:>13}: {per_token / 1024:7.1f} KiB per token | weights {weights / GiB:6.2f} GiB "
+          f"| pool {pool:>9,} blocks | {per_seq} blocks per {context}-token sequence "
+          f"| max concurrency {rows[name][4]:,}")
+"""),
+    ("md", r"""
+The war story in one picture: demand grows linearly with the number of concurrent sequences,
+the pool is a fixed line. Batch 8 (the load test) uses a sliver of the Llama-3-8B pool; batch
+60 (production) is past it.
+"""),
+    ("code", r"""
+per_token, weights, pool, per_seq, max_seqs = rows["llama-3-8b"]
+batch = np.arange(0, 81)
+plt.figure(figsize=(6, 3))
+plt.plot(batch, batch * per_seq, label=f"KV demand: batch × {per_seq} blocks")
+plt.axhline(pool, color="tab:red", label=f"pool: {pool:,} blocks")
+for b in (8, 60):
+    plt.plot([b], [b * per_seq], "o")
+    plt.annotate(f"batch {b}: {b * per_seq:,}", (b, b * per_seq), textcoords="offset points",
+                 xytext=(-60, 8))
+plt.axvline(max_seqs, ls=":", color="0.5", label=f"max_num_seqs cap = {max_seqs}")
+plt.xlabel("concurrent 8192-token sequences")
+plt.ylabel("KV blocks")
+plt.title("Llama-3-8B shape, 80 GiB, float16")
+plt.legend(fontsize=8)
+plt.show()
+"""),
+    ("md", r"""
+## 2. The OOM at peak, replayed with a small pool
+
+The embedded model with a pool of 12 blocks of 16 tokens (192 token slots) and eight requests,
+each generating 24 tokens (greedy, `ignore_eos=True`). The cell below computes each request's
+peak demand in blocks: together they need more than the pool. With `max_num_seqs=8` the
+scheduler admits all eight while their prompts fit, the pool runs dry as they decode, and it
+must **preempt** (recompute). refserve does not crash; a real deployment pays in recomputed
+prefills and in tail latency. Capping `max_num_seqs` at what the pool holds at peak
+(`floor(pool / blocks per request)`) queues the rest instead.
+"""),
+    ("code", r"""
+prompts = [f"Question {i}: name three facts about the number {i * 7 + 3} and explain why."
+           for i in range(8)]
+params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+POOL_BLOCKS, BLOCK = 12, 16
+
+tok = load_tokenizer(resolve_model_path(None, progress=False))   # the embedded model's
+peak = [cap.blocks_for_tokens(len(tok.encode(p, add_special_tokens=False)) + params.max_tokens,
+                              BLOCK) for p in prompts]
+capped = POOL_BLOCKS // max(peak)
+print(f"blocks per request at its peak: {peak} -> {sum(peak)} together, pool {POOL_BLOCKS}; "
+      f"cap max_num_seqs at {POOL_BLOCKS} // {max(peak)} = {capped}")
+
+
+def replay(max_num_seqs):
+    llm = LLM(num_gpu_blocks=POOL_BLOCKS, block_size=BLOCK, max_model_len=128,
+              max_num_seqs=max_num_seqs, progress=False)
+    engine = llm.engine
+    kv = engine.kv_cache_manager
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    held, preempted_at, outputs = [], [], {}
+    while engine.has_unfinished():
+        before = engine.scheduler.num_preemptions
+        for o in engine.step():
+            if o.finished:
+                outputs[o.request_id] = o
+        held.append(kv.num_blocks - kv.num_free_blocks)
+        if engine.scheduler.num_preemptions > before:
+            preempted_at.append(len(held) - 1)
+    return engine, held, preempted_at, outputs
+
+
+runs = {n: replay(n) for n in (8, capped)}
+for n, (engine, _, _, outputs) in runs.items():
+    s = engine.stats()
+    ttfts = [o.metrics.ttft for o in outputs.values()]
+    print(f"max_num_seqs={n}: {s['num_steps']} steps, {s['num_preemptions']} preemptions, "
+          f"KV blocks at peak {s['kv_blocks_peak']}/{s['kv_blocks_total']}, "
+          f"TTFT max {max(ttfts):.2f} s")
+same = ({k: o.outputs[0].text for k, o in runs[8][3].items()}
+        == {k: o.outputs[0].text for k, o in runs[capped][3].items()})
+print("same text either way (preemption recomputes, it does not change the answer):", same)
+"""),
+    ("code", r"""
+fig, axes = plt.subplots(1, 2, figsize=(12, 3), sharey=True)
+for ax, (n, (engine, held, preempted_at, _)) in zip(axes, runs.items()):
+    ax.step(range(len(held)), held, where="post", label="blocks held after the step")
+    ax.axhline(engine.kv_cache_manager.num_blocks, color="tab:red", label="pool")
+    for step in preempted_at:
+        ax.axvline(step, color="tab:orange", alpha=0.5)
+    ax.set_title(f"max_num_seqs={n}: {len(preempted_at)} steps with a preemption (orange)")
+    ax.set_xlabel("step")
+axes[0].set_ylabel("KV blocks")
+axes[0].legend(fontsize=8, loc="lower right")
+fig.tight_layout()
+plt.show()
+"""),
+    ("md", r"""
+## 3. TTFT and TPOT against batch size
+
+The contract is written in TTFT (time to first token), TPOT (time per output token),
+throughput and dollars, and they pull against each other. A short in-process measurement:
+B requests submitted together, for B = 1, 2, 4, 8, each generating 12 tokens. A bigger batch
+raises throughput (one weight read serves more tokens) and TPOT with it; TTFT grows
+because the prefills of the whole batch share the first steps. CPU numbers are small-model,
+2-core numbers: the shape matters, not the values.
+"""),
+    ("code", r"""
+llm = LLM(num_gpu_blocks=64, block_size=16, max_model_len=128, max_num_seqs=8, progress=False)
+measure = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+llm.generate(prompts[:1], measure, use_tqdm=False)   # warm-up (first-call allocations)
+table = []
+for b in (1, 2, 4, 8):
+    llm.generate(prompts[:b], measure, use_tqdm=False)
+    s = llm.last_summary
+    table.append((b, s.ttft_p50 * 1000, s.tpot_p50 * 1000, s.output_tokens_per_s))
+    print(f"batch {b}: TTFT p50 {table[-1][1]:6.0f} ms | TPOT p50 {table[-1][2]:5.0f} ms | "
+          f"{table[-1][3]:5.1f} output tokens/s")
+table = np.array(table)
+fig, axes = plt.subplots(1, 3, figsize=(12, 2.8))
+for ax, col, label in zip(axes, (1, 2, 3), ("TTFT p50 (ms)", "TPOT p50 (ms)",
+                                            "throughput (output tokens/s)")):
+    ax.plot(table[:, 0], table[:, col], "o-")
+    ax.set_xlabel("batch size")
+    ax.set_title(label)
+fig.tight_layout()
+plt.show()
+"""),
+    ("md", r"""
+**Try it**: give the replay 24 blocks and find the smallest pool with no preemption at
+`max_num_seqs=8`; predict it first from the arithmetic (WARMUP.md §11 exercise 1 does the same
+for the 80 GiB card). For the contract, write a TPOT target and read off the largest batch
+that meets it from the chart above.
+"""),
+]
