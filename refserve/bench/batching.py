@@ -1,55 +1,37 @@
-"""`python -m refserve.bench <scenario>`: measurements, side by side, in one run.
-
-Scenarios
-    batching   continuous vs static batching vs transformers' batched generate on a
-               long-tailed, decode-heavy workload; plus the scheduling overhead at 32 running
-    paged      paged vs contiguous KV cache on the same workload (the cost of the gather)
-
-Every number printed comes from this run on this machine; ratios are only quoted between
-systems measured in the same run. `--quick` shrinks the workload for CI; `--json` writes
-all numbers; `--plot` draws them (matplotlib PNG).
-"""
+"""`batching`: continuous vs static batching vs transformers' batched `generate`, on a
+long-tailed, decode-heavy workload; plus the scheduling overhead at 32 running."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from refserve.bench.common import ms, print_table, pyplot, save_figure
+from refserve.bench.workloads import Workload, make_workload
 from refserve.sampling import SamplingParams
 
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def useful_tokens(self) -> int:
-        return sum(self.output_lens)
+HELP = "continuous vs static batching vs transformers' generate"
 
 
-def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_range=(16, 128),
-                  mean_output=120, output_range=(16, 512)) -> Workload:
-    """Chat-like traffic: short prompts, long-tailed outputs.
+def add_arguments(p) -> None:
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--mean-output", type=int, default=120)
+    p.add_argument("--max-running", type=int, default=16, help="max_num_seqs / HF batch size")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--overhead-running", type=int, default=32)
+    p.add_argument("--overhead-steps", type=int, default=20)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
 
-    Output lengths are lognormal with mean `mean_output` (sigma 0.8, so the median is about
-    0.73 x the mean and a few requests run 3-4x longer), clipped to `output_range`. Prompt
-    tokens are drawn from the ordinary part of the vocabulary (ids >= 1000, skipping the
-    special tokens)."""
-    rng = np.random.default_rng(seed)
-    sigma = 0.8
-    mu = np.log(mean_output) - sigma**2 / 2          # E[lognormal] = exp(mu + sigma²/2)
-    lens = np.clip(np.round(rng.lognormal(mu, sigma, num_requests)), *output_range)
-    prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)
-    prompts = [rng.integers(1000, vocab_size, size=int(n)).tolist() for n in prompt_lens]
-    return Workload(prompts, [int(x) for x in lens])
+
+def apply_quick(args) -> None:
+    args.num_requests, args.mean_output, args.max_running = 8, 24, 4
+    args.overhead_running, args.overhead_steps = 8, 4
+
+
+POSITIVE = ("num_requests", "mean_output", "max_running", "overhead_running", "overhead_steps",
+            "max_num_batched_tokens")
 
 
 def run_refserve(llm, workload: Workload, label: str) -> dict:
@@ -71,8 +53,8 @@ def run_refserve(llm, workload: Workload, label: str) -> dict:
         "system": label, "elapsed_s": elapsed, "useful_tokens": produced,
         "tokens_per_s": produced / elapsed, "steps": steps,
         "slot_steps_used": s.slot_steps_used, "slot_steps_wasted": s.slot_steps_wasted,
-        "ttft_p50_ms": _ms(s.ttft_p50), "ttft_p99_ms": _ms(s.ttft_p99),
-        "tpot_p50_ms": _ms(s.tpot_p50), "tpot_p99_ms": _ms(s.tpot_p99),
+        "ttft_p50_ms": ms(s.ttft_p50), "ttft_p99_ms": ms(s.ttft_p99),
+        "tpot_p50_ms": ms(s.tpot_p50), "tpot_p99_ms": ms(s.tpot_p99),
         "preemptions": s.num_preemptions,
         # Slots the KV pool had handed out at its fullest: paged blocks follow the tokens,
         # the contiguous layout reserves max_model_len per sequence.
@@ -148,27 +130,6 @@ def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
             "outside_forward_fraction": (in_step - in_fwd) / in_step}
 
 
-def _ms(x):
-    return None if x is None else 1000 * x
-
-
-def machine() -> str:
-    import os
-    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, " \
-           f"numpy {np.__version__}"
-
-
-def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
-    widths = [max(len(h), 10) for _, h, _ in cols]
-    print("  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths)))
-    for r in rows:
-        cells = []
-        for (key, _, fmt), w in zip(cols, widths):
-            v = r.get(key)
-            cells.append(("-" if v is None else format(v, fmt)).rjust(w))
-        print("  ".join(cells))
-
-
 BATCH_COLS = [("system", "system", ""), ("tokens_per_s", "tok/s", ".1f"),
               ("elapsed_s", "seconds", ".1f"), ("steps", "steps", "d"),
               ("slot_steps_used", "slot used", "d"), ("slot_steps_wasted", "slot wasted", "d"),
@@ -178,8 +139,8 @@ BATCH_COLS = [("system", "system", ""), ("tokens_per_s", "tok/s", ".1f"),
               ("kv_slots_peak", "KV slots peak", "d")]
 
 
-def bench_batching(args) -> dict:
-    from refserve.engine import LLM
+def run(args) -> dict:
+    from refserve.llm import LLM
 
     common = dict(model=args.model, max_num_seqs=args.max_running, progress=False,
                   max_num_batched_tokens=args.max_num_batched_tokens)
@@ -199,8 +160,7 @@ def bench_batching(args) -> dict:
         same = sum(a == b for a, b in zip(rows[2]["outputs"], rows[0]["outputs"]))
         rows[2]["same_outputs_as_refserve"] = same
     overhead = overhead_at(cont, args.overhead_running, args.overhead_steps, vocab)
-    result = {"scenario": "batching", "machine": machine(), "command": args.command,
-              "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+    result = {"rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
               "overhead": overhead}
     print()
     print_table(result["rows"], BATCH_COLS)
@@ -213,41 +173,11 @@ def bench_batching(args) -> dict:
     print(f"overhead at {overhead['running']} running: step {overhead['step_ms']:.1f} ms, "
           f"forward {overhead['forward_ms']:.1f} ms, outside the forward "
           f"{overhead['outside_forward_ms']:.2f} ms ({overhead['outside_forward_fraction']:.1%})")
-    if args.plot:
-        plot_batching(result, args.plot)
     return result
 
 
-def bench_paged(args) -> dict:
-    from refserve.engine import LLM
-
-    max_len = 1024
-    common = dict(model=args.model, max_num_seqs=args.max_running, progress=False,
-                  max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens)
-    paged = LLM(**common)
-    vocab = paged.engine.model.config.vocab_size
-    wl = make_workload(args.num_requests, args.seed, vocab, mean_output=args.mean_output)
-    rows = [run_refserve(paged, wl, "paged (block 16)")]
-    contiguous = LLM(kv_cache_layout="contiguous", **common)
-    rows.append(run_refserve(contiguous, wl, f"contiguous ({max_len} slots/seq)"))
-    assert rows[0]["outputs"] == rows[1]["outputs"], "paged and contiguous outputs differ"
-    for r, llm in zip(rows, (paged, contiguous)):
-        r["forward_s"] = llm.engine.runner.time_in_forward
-    result = {"scenario": "paged", "machine": machine(), "command": args.command,
-              "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
-    print()
-    print_table(result["rows"], BATCH_COLS)
-    print(f"paged / contiguous wall time: {rows[0]['elapsed_s'] / rows[1]['elapsed_s']:.3f}x; "
-          f"model forward: {rows[0]['forward_s'] / rows[1]['forward_s']:.3f}x")
-    return result
-
-
-def plot_batching(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
     rows = result["rows"]
     names = [r["system"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -264,45 +194,4 @@ def plot_batching(result: dict, path: Path) -> None:
     b.legend(loc="upper left", fontsize=8)  # over the short continuous bar, clear of the rest
     for ax in (a, b):
         ax.tick_params(axis="x", labelrotation=15)
-    fig.suptitle(result["machine"], fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m refserve.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=["batching", "paged"])
-    p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--mean-output", type=int, default=120)
-    p.add_argument("--max-running", type=int, default=16, help="max_num_seqs / HF batch size")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--overhead-running", type=int, default=32)
-    p.add_argument("--overhead-steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--quick", action="store_true", help="a small workload (CI smoke run)")
-    p.add_argument("--json", type=Path, help="write all numbers here")
-    p.add_argument("--plot", type=Path, help="write a PNG chart here")
-    args = p.parse_args(argv)
-    args.command = "python -m refserve.bench " + " ".join(
-        sys.argv[1:] if argv is None else argv)
-    if args.quick:
-        args.num_requests, args.mean_output, args.max_running = 8, 24, 4
-        args.overhead_running, args.overhead_steps = 8, 4
-    for name in ("num_requests", "mean_output", "max_running", "overhead_running",
-                 "overhead_steps", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    print(f"machine: {machine()}\ncommand: {args.command}", flush=True)
-    result = bench_batching(args) if args.scenario == "batching" else bench_paged(args)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"numbers written to {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    save_figure(fig, result, path)

@@ -1,0 +1,26 @@
+"""`python -m refserve.bench <scenario>`: the course's claims, measured side by side in one run.
+
+Scenarios (one file each in this package)
+    batching   continuous vs static batching vs transformers' generate
+    paged      paged vs contiguous KV cache: the cost of the gather
+    prefix     prefix caching on vs off: a shared ~1000-token system prompt; multi-turn chat
+    chunked    running decodes while a long prompt arrives, chunked prefill on vs off
+    memory     KV slots reserved vs used: paged vs the naive max_model_len cache; n = 4 with
+               and without copy-on-write
+    spec       speculative decoding: none vs n-gram vs self-draft, quote-heavy and creative,
+               batch 1 and 8: wall-clock speedup, acceptance, identical greedy output
+    capacity   the capacity formula vs the sequences the engine really holds, per pool size
+    roofline   measured peak FLOP/s and bandwidth; where prefill and decode steps land
+    loadtest   the HTTP server under Poisson arrivals: TTFT/TPOT percentiles, throughput,
+               goodput under an SLO, $ per 1M output tokens, every request accounted for
+
+Each prints a table, states the machine (cores, BLAS and its kernel, GPU) and the exact
+command, writes every number with --json and a chart with --plot. Workloads are built from a
+seed and text bundled in refserve/bench/corpus.py. `--quick` is a CI-sized run. Numbers are
+compared only between systems measured in the same run.
+"""
+
+from refserve.bench.cli import main
+from refserve.bench.workloads import Workload, make_workload
+
+__all__ = ["main", "make_workload", "Workload"]

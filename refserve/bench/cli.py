@@ -1,0 +1,61 @@
+"""`python -m refserve.bench <scenario> [--quick] [--json PATH] [--plot PATH]`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from refserve.bench.common import machine_info, machine_line, write_json
+
+SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
+             "roofline", "loadtest")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from refserve import bench
+
+    p = argparse.ArgumentParser(prog="python -m refserve.bench", description=bench.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="scenario", required=True, metavar="scenario")
+    for name in SCENARIOS:
+        module = importlib.import_module(f"refserve.bench.{name}")
+        s = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        s.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
+        s.add_argument("--seed", type=int, default=0, help="seed of the workload")
+        s.add_argument("--quick", action="store_true", help="a small workload (CI smoke run)")
+        s.add_argument("--json", type=Path, help="write all numbers here")
+        s.add_argument("--plot", type=Path, help="write a PNG chart here (matplotlib)")
+        module.add_arguments(s)
+        s.set_defaults(module=module, parser=s)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = args.module
+    args.command = "python -m refserve.bench " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    if args.quick:
+        module.apply_quick(args)
+    for name in getattr(module, "POSITIVE", ()):
+        value = getattr(args, name)
+        if (isinstance(value, (list, tuple)) and any(v <= 0 for v in value)) or (
+                not isinstance(value, (list, tuple)) and value <= 0):
+            args.parser.error(f"--{name.replace('_', '-')} must be > 0")
+    machine = machine_info()
+    print(f"machine: {machine_line(machine)}\ncommand: {args.command}", flush=True)
+    try:
+        body = module.run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = {"scenario": args.scenario, "machine": machine, "command": args.command,
+              "quick": args.quick, **body}
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        module.plot(result, args.plot)
+    return 0

@@ -1,0 +1,272 @@
+"""`loadtest`: the OpenAI-compatible server under Poisson traffic, over real sockets.
+
+`python -m refserve.serve` is started in its own process on a free loopback port. For each
+request rate, N streaming completions are sent at Poisson arrival times (seeded), and every
+number is measured on the client side, as a user would see it:
+    TTFT        first text chunk received - request sent
+    TPOT        (last chunk - first chunk) / (output tokens - 1)
+    throughput  output tokens / (last response done - first request sent)
+    goodput     requests/s that met both SLOs (TTFT <= --slo-ttft and TPOT <= --slo-tpot)
+    $ / 1M      --usd-per-hour / 3600 / throughput x 1e6 (the machine rented by the hour)
+Every request has one outcome: finished (all its tokens), rejected (503, the waiting
+queue was full) or failed (anything else); finished + rejected + failed == sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from refserve.bench.common import ms, percentiles, print_table, pyplot, save_figure
+from refserve.bench.corpus import PARAGRAPHS, QUESTIONS
+from refserve.bench.workloads import poisson_arrivals
+
+HELP = "the HTTP server under Poisson load: TTFT/TPOT percentiles, goodput, $/1M tokens"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0],
+                   help="request rates to sweep (requests / s)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
+    p.add_argument("--mean-output", type=int, default=64)
+    p.add_argument("--max-paragraphs", type=int, default=2,
+                   help="each prompt: 0..this many corpus paragraphs, then a question")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds per output token")
+    p.add_argument("--usd-per-hour", type=float, default=0.10,
+                   help="what the machine costs per hour (default: a small cloud CPU VM)")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-waiting", type=int, default=64)
+    p.add_argument("--startup-timeout", type=float, default=180.0)
+
+
+def apply_quick(args) -> None:
+    args.rates, args.num_requests, args.mean_output, args.max_paragraphs = [1.0, 4.0], 4, 6, 0
+
+
+POSITIVE = ("rates", "num_requests", "mean_output", "slo_ttft", "slo_tpot", "max_num_seqs",
+            "max_waiting")
+
+
+def _requests(n: int, mean_output: int, max_paragraphs: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        paragraphs = rng.choice(len(PARAGRAPHS), size=int(rng.integers(0, max_paragraphs + 1)),
+                                replace=False)
+        context = "".join(PARAGRAPHS[j] + "\n\n" for j in paragraphs)
+        prompt = f"{context}Question: {QUESTIONS[int(rng.integers(len(QUESTIONS)))]}\nAnswer:"
+        max_tokens = int(np.clip(round(rng.exponential(mean_output)), 2, 4 * mean_output))
+        out.append({"prompt": prompt, "max_tokens": max_tokens})
+    return out
+
+
+async def _one(client, url: str, model: str, req: dict, delay: float, t0: float) -> dict:
+    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
+    body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"],
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    rec = {"sent": sent - t0, "max_tokens": req["max_tokens"], "outcome": "failed",
+           "ttft": None, "tpot": None, "tokens": 0}
+    first = last = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code == 503:
+                rec["outcome"] = "rejected"
+                return rec
+            if r.status_code != 200:
+                rec["error"] = f"HTTP {r.status_code}"
+                return rec
+            done = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec["error"] = chunk["error"]["message"]
+                    return rec
+                if chunk.get("usage"):
+                    rec["tokens"] = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    last = time.perf_counter()
+                    first = first or last
+        if done and rec["tokens"] == req["max_tokens"]:
+            rec["outcome"] = "finished"
+            rec["done"] = time.perf_counter() - t0
+            if first is not None:
+                rec["ttft"] = first - sent
+                if rec["tokens"] > 1:
+                    rec["tpot"] = (last - first) / (rec["tokens"] - 1)
+        else:
+            rec["error"] = f"stream ended with {rec['tokens']}/{req['max_tokens']} tokens"
+    except Exception as e:  # noqa: BLE001 - a lost request is a result, not a crash
+        rec["error"] = repr(e)
+    return rec
+
+
+async def _sweep_rate(url: str, model: str, reqs: list[dict], arrivals: list[float],
+                      desc: str) -> tuple[list[dict], float]:
+    import httpx
+
+    bar = tqdm(total=len(reqs), desc=desc, unit="req")
+    limits = httpx.Limits(max_connections=len(reqs) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def tracked(req, delay):
+            rec = await _one(client, url, model, req, delay, t0)
+            bar.update(1)
+            return rec
+
+        recs = await asyncio.gather(*(tracked(r, d) for r, d in zip(reqs, arrivals)))
+        wall = time.perf_counter() - t0
+    bar.close()
+    return recs, wall
+
+
+def _summarise(rate: float, recs: list[dict], wall: float, args) -> dict:
+    fin = [r for r in recs if r["outcome"] == "finished"]
+    tokens = sum(r["tokens"] for r in fin)
+    end = max((r["done"] for r in fin), default=wall)
+    throughput = tokens / end if end > 0 else 0.0
+    good = [r for r in fin if r["ttft"] is not None and r["ttft"] <= args.slo_ttft
+            and (r["tpot"] is None or r["tpot"] <= args.slo_tpot)]
+    ttft, tpot = percentiles([r["ttft"] for r in fin]), percentiles([r["tpot"] for r in fin])
+    row = {"rate": rate, "sent": len(recs), "finished": len(fin),
+           "rejected": sum(r["outcome"] == "rejected" for r in recs),
+           "failed": sum(r["outcome"] == "failed" for r in recs),
+           "output_tokens": tokens, "seconds": end, "throughput_tok_s": throughput,
+           "requests_per_s": len(fin) / end if end > 0 else 0.0,
+           "goodput_req_s": len(good) / end if end > 0 else 0.0,
+           "slo_attained": len(good) / len(recs),
+           "usd_per_1m_output_tokens": (args.usd_per_hour / 3600 / throughput * 1e6
+                                        if throughput > 0 else None)}
+    for name, p in (("ttft", ttft), ("tpot", tpot)):
+        for q, v in p.items():
+            row[f"{name}_{q}_ms"] = ms(v)
+    errors = sorted({r["error"] for r in recs if r.get("error")})
+    if errors:
+        row["errors"] = errors[:5]
+    return row
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(args, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "refserve.serve", "--port", str(port), "--max-num-seqs",
+           str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
+           "--served-model-name", "bench"]
+    if args.model:
+        cmd += ["--model", args.model]
+    print("server: " + " ".join(cmd[1:]), flush=True)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise ValueError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise ValueError(f"the server did not answer /health within {timeout:.0f} s")
+
+
+def run(args) -> dict:
+    import httpx
+
+    from refserve.entrypoints.prometheus import parse_metrics
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start_server(args, port)
+    rows = []
+    try:
+        _wait_healthy(proc, url, args.startup_timeout)
+        for i, rate in enumerate(args.rates):
+            reqs = _requests(args.num_requests, args.mean_output, args.max_paragraphs,
+                             args.seed + i)
+            arrivals = poisson_arrivals(args.num_requests, rate, args.seed + i)
+            recs, wall = asyncio.run(_sweep_rate(url, "bench", reqs, arrivals,
+                                                 f"rate {rate:g} req/s"))
+            row = _summarise(rate, recs, wall, args)
+            server = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+            row["server_preemptions_total"] = server.get("refserve:num_preemptions_total")
+            rows.append(row)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print()
+    print_table(rows, [("rate", "req/s in", "g"), ("sent", "sent", "d"),
+                       ("finished", "finished", "d"), ("rejected", "rejected", "d"),
+                       ("failed", "failed", "d"), ("throughput_tok_s", "tok/s", ".1f"),
+                       ("goodput_req_s", "goodput req/s", ".2f"),
+                       ("slo_attained", "in SLO", ".0%"),
+                       ("ttft_p50_ms", "TTFT p50", ".0f"), ("ttft_p90_ms", "p90", ".0f"),
+                       ("ttft_p99_ms", "p99", ".0f"), ("tpot_p50_ms", "TPOT p50", ".0f"),
+                       ("tpot_p90_ms", "p90", ".0f"), ("tpot_p99_ms", "p99", ".0f"),
+                       ("usd_per_1m_output_tokens", "$/1M tok", ".2f")])
+    print(f"SLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; "
+          f"${args.usd_per_hour}/hour")
+    lost = [r for r in rows if r["finished"] + r["rejected"] + r["failed"] != r["sent"]]
+    print("every request accounted for" if not lost else f"LOST requests at {lost}")
+    return {"rows": rows, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot,
+            "usd_per_hour": args.usd_per_hour}
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    rows = result["rows"]
+    rates = [r["rate"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label, style in (("ttft_p50_ms", "TTFT p50", "o-"), ("ttft_p99_ms", "TTFT p99",
+                                                                    "o--"),
+                              ("tpot_p50_ms", "TPOT p50", "s-"), ("tpot_p99_ms", "TPOT p99",
+                                                                    "s--")):
+        a.plot(rates, [r[key] for r in rows], style, label=label)
+    a.axhline(1000 * result["slo_ttft_s"], color="tab:red", lw=0.8, label="TTFT SLO")
+    a.axhline(1000 * result["slo_tpot_s"], color="tab:purple", lw=0.8, label="TPOT SLO")
+    a.set_yscale("log")
+    a.set_xlabel("offered load (requests / s)")
+    a.set_ylabel("ms (client side)")
+    a.set_title("Latency vs load: the knee")
+    a.legend(fontsize=7)
+    b.plot(rates, [r["throughput_tok_s"] for r in rows], "o-", label="throughput (tok/s)")
+    b2 = b.twinx()
+    b2.plot(rates, [r["goodput_req_s"] for r in rows], "s--", color="tab:green",
+            label="goodput (req/s in SLO)")
+    b.set_xlabel("offered load (requests / s)")
+    b.set_ylabel("output tokens / s")
+    b2.set_ylabel("requests / s meeting the SLO")
+    b.set_title("Throughput and goodput")
+    b.legend(loc="upper left", fontsize=7)
+    b2.legend(loc="lower right", fontsize=7)
+    save_figure(fig, result, path)
