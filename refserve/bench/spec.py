@@ -39,14 +39,17 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=8, help="the larger batch size")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--draft-layers", type=int, default=8, help="self-draft: target layers")
+    p.add_argument("--batch1-requests", type=int, default=2,
+                   help="batch 1: requests run one after another per workload")
     p.add_argument("--batch1-only", action="store_true", help="skip the batch-B runs")
 
 
 def apply_quick(args) -> None:
-    args.max_tokens, args.passage_tokens, args.batch, args.draft_layers = 12, 40, 2, 4
+    args.max_tokens, args.passage_tokens, args.batch, args.draft_layers = 10, 32, 2, 4
+    args.batch1_requests = 1
 
 
-POSITIVE = ("max_tokens", "passage_tokens", "batch", "k", "draft_layers")
+POSITIVE = ("max_tokens", "passage_tokens", "batch", "k", "draft_layers", "batch1_requests")
 
 
 def _prompts(tok, kind: str, count: int, passage_tokens: int, seed: int) -> list[str]:
@@ -96,7 +99,7 @@ def run(args) -> dict:
     bar = tqdm(total=len(cells) * len(llms), desc="spec", unit="run")
     for kind, batch in cells:
         # batch 1: a few requests one at a time; batch B: B requests at once
-        count = min(args.batch, 2) if batch == 1 else batch
+        count = args.batch1_requests if batch == 1 else batch
         prompts = _prompts(tok, kind, count, args.passage_tokens, args.seed)
         reference = None
         for name, llm in llms.items():

@@ -23,9 +23,21 @@ Modules:
     rejection_sampler.py   the accept / residual-resample step (a backend op)
     warping.py             temperature, top-k, top-p applied to both p and q before the test
     ngram_proposer.py      prompt lookup: drafts copied from earlier in the context
+    proposer.py            the proposal stage's interface (Proposal: drafts + q) and the
+                           n-gram proposer behind it
+    draft_model.py         the draft-model proposer: a smaller model, or the target's first N
+                           layers ("self"), run with its own paged KV cache
+    verify.py              the engine's verify step: warp p, draw uniforms in a documented
+                           order from the sequence's generator, call rejection_sample
+    adaptive.py            how many drafts to propose per request (k adapts; 0 = stop)
+    config.py              SpeculativeConfig: vLLM's speculative_config dict, validated
     metrics.py             proposed / accepted counts, acceptance rate, tokens per target pass
 
-Not here yet: the draft-model proposer (a smaller model, or the first layers of the target,
-run with its own paged KV cache). It needs the engine's runner and is the second phase of
-issue 8; nothing in this package pretends to provide it.
+In the engine (refserve/engine.py) one step with speculation is
+
+    engine.propose()        drafts into seq.spec_token_ids (decode-ready sequences only)
+    schedule / prepare / copy_blocks / forward    a verify row is k + 1 query tokens
+    engine.sample           verify rows go through verify.py
+    scheduler.update        append accepted + 1 tokens, un-compute rejected drafts, trim
+                            blocks that hold only rejected slots (KVCacheManager.trim)
 """
