@@ -74,7 +74,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def make_engine(folder, **kw) -> LLMEngine:
-    kw.setdefault("num_gpu_blocks", 512)
+    kw.setdefault("num_gpu_blocks_override", 512)
     kw.setdefault("block_size", 4)
     return LLMEngine(model=str(folder), progress=False, **kw)
 
@@ -88,7 +88,7 @@ def served(tiny_dir):
 
 @pytest.fixture(scope="module")
 def offline(tiny_dir):
-    return LLM(model=str(tiny_dir), block_size=4, num_gpu_blocks=512, progress=False)
+    return LLM(model=str(tiny_dir), block_size=4, num_gpu_blocks_override=512, progress=False)
 
 
 def greedy(max_tokens, **kw):
@@ -447,7 +447,7 @@ def test_cli_serves_and_rejects_bad_flags(tiny_dir):
     assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "refserve.serve", "--model", str(tiny_dir),
-                             "--port", str(port), "--num-gpu-blocks", "64",
+                             "--port", str(port), "--num-gpu-blocks-override", "64",
                              "--served-model-name", "t"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -43,7 +43,7 @@ POSITIVE = ("prompt_tokens", "output_tokens", "pool_blocks")
 def _measure(args, pool: int) -> dict:
     from refserve.engine import LLMEngine
 
-    engine = LLMEngine(model=args.model, num_gpu_blocks=pool, max_num_seqs=1024,
+    engine = LLMEngine(model=args.model, num_gpu_blocks_override=pool, max_num_seqs=1024,
                        enable_prefix_caching=False, progress=False,
                        max_model_len=args.prompt_tokens + args.output_tokens + 16)
     bs = engine.block_size
