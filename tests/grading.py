@@ -22,6 +22,12 @@ Loaded from tests/conftest.py (`pytest_plugins = ["grading"]`). Three jobs:
 
 `grade.json` (path: `--grade-json`, default ./grade.json) holds the same numbers plus the
 node ids of failed and blocked tests, for CI or a course dashboard.
+
+4. Grade a student copy. `--impl DIR` (or the environment variable REFSERVE_IMPL=DIR) runs
+   these same tests against the `refserve` package in DIR, a copy written by
+   `python -m refserve.course make-student DIR`: DIR goes first on sys.path (and on
+   PYTHONPATH, for the tests' subprocesses) before anything imports refserve, and the run
+   stops with a usage error unless the refserve it then imports is DIR's.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
+import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,9 +194,39 @@ def pytest_addoption(parser):
                     help="print a per-mechanism score table at the end and write grade.json")
     group.addoption("--grade-json", default="grade.json", metavar="PATH",
                     help="where --grade writes its JSON report (default: ./grade.json)")
+    group.addoption("--impl", default=os.environ.get("REFSERVE_IMPL") or None, metavar="DIR",
+                    help="test the refserve package in DIR (a student copy from `python -m "
+                         "refserve.course make-student DIR`) instead of this checkout's; "
+                         "default: $REFSERVE_IMPL")
+
+
+def use_implementation(impl: str) -> Path:
+    """Make `import refserve` load DIR/refserve (see the module docstring, job 4). Returns the
+    package folder; raises pytest.UsageError if that cannot be guaranteed."""
+    root = Path(impl).expanduser().resolve()
+    package = root / "refserve"
+    if not (package / "__init__.py").is_file():
+        raise pytest.UsageError(f"--impl {impl}: {package} is not a refserve package; make one "
+                                "with `python -m refserve.course make-student DIR`")
+    loaded = sys.modules.get("refserve")
+    if loaded is not None and Path(loaded.__file__).resolve().parent != package:
+        raise pytest.UsageError(f"--impl {impl}: refserve was already imported from "
+                                f"{Path(loaded.__file__).parent} before the option applied")
+    sys.path.insert(0, str(root))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    import refserve
+
+    where = Path(refserve.__file__).resolve().parent
+    if where != package:
+        raise pytest.UsageError(f"--impl {impl}: `import refserve` found {where}, not {package}")
+    return package
 
 
 def pytest_configure(config):
+    impl = config.getoption("impl", None)
+    if impl:
+        config._refserve_impl = use_implementation(impl)
     # pyproject.toml registers the same names (tests/test_grading.py keeps the two equal);
     # registering here too lets the plugin run in a test folder without that file.
     registered = {line.split(":")[0].strip() for line in config.getini("markers")}
@@ -197,6 +235,11 @@ def pytest_configure(config):
             config.addinivalue_line("markers", f"{name}: {invariant}")
     if config.getoption("grade", False):
         config.pluginmanager.register(Grader(config), "refserve-grader")
+
+
+def pytest_report_header(config):
+    impl = getattr(config, "_refserve_impl", None)
+    return [f"refserve under test: {impl} (--impl)"] if impl else []
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects, so `pytest -m scheduler` sees marks
@@ -281,6 +324,8 @@ class Grader:
             "args": list(self.config.invocation_params.args),
             "exit_status": int(exitstatus),
             "gpu": _gpu_present(),
+            "refserve": str(Path(sys.modules["refserve"].__file__).resolve().parent)
+            if "refserve" in sys.modules else None,
             "mechanisms": {name: {"invariant": MECHANISMS.get(name, "tests no rule maps"),
                                   **row.to_dict()} for name, row in self.rows.items()},
             "total": self.total.to_dict(),
