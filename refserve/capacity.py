@@ -106,11 +106,13 @@ PRESETS: dict[str, dict] = {
         "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576,
         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
         "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
     },
     "llama-3-8b": {
         "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
         "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
+        "max_position_embeddings": 8192,
     },
 }
 

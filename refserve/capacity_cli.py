@@ -3,6 +3,11 @@
 The command line around refserve/capacity.py (the math). Example:
 
     python -m refserve.capacity --model llama-3-8b --memory 80GiB --context 2048
+
+The dtype is the model's own (config.json's torch_dtype; bfloat16 for the presets) unless
+--dtype says otherwise. Warnings (on stderr) say when the context exceeds the model's
+max_position_embeddings, or when one sequence of that context does not fit in the pool.
+A mistake is one `error: ...` line, exit status 2.
 """
 
 from __future__ import annotations
@@ -42,6 +47,20 @@ def load_model_config(model: str) -> tuple[str, dict]:
     return str(path), config
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+PRESET_DTYPE = "bfloat16"  # both presets ship bfloat16 weights
+
+
+def model_dtype(config: dict) -> str | None:
+    """config.json's dtype ("torch_dtype", or "dtype" in newer transformers), if known."""
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return dtype if dtype in DTYPE_BYTES else None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -70,8 +89,8 @@ def _utilization(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m refserve.capacity",
+    parser = _Parser(
+        prog="python -m refserve.capacity", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="How much KV cache fits, and how many sequences it serves.")
     parser.add_argument("--model", required=True,
                         help=f"folder with config.json, or a preset: {', '.join(PRESETS)}")
@@ -80,18 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", required=True, type=_positive_int,
                         help="tokens per sequence (prompt + output)")
     parser.add_argument("--block-size", type=_positive_int, default=16)
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float16",
-                        help="dtype of weights and KV cache")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
+                        help="dtype of weights and KV cache (default: the model's own)")
     parser.add_argument("--gpu-memory-utilization", type=_utilization, default=0.9)
     args = parser.parse_args(argv)
 
-    dtype_bytes = DTYPE_BYTES[args.dtype]
     try:
         name, config = load_model_config(args.model)
+        if args.dtype is None:
+            args.dtype = (PRESET_DTYPE if name in PRESETS else model_dtype(config)) or "float16"
+        dtype_bytes = DTYPE_BYTES[args.dtype]
         r = capacity_report(config, args.memory, args.context, args.block_size, dtype_bytes,
                             args.gpu_memory_utilization)
     except ValueError as err:
-        parser.error(str(err))  # exits with status 2 and the message
+        parser.error(str(err))  # one `error:` line, exit status 2
 
     bs = args.block_size
     rows = [
@@ -117,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and args.context > limit:
+        print(f"warning: --context {args.context} exceeds the model's max_position_embeddings "
+              f"{limit}; the engine refuses a max_model_len above it", file=sys.stderr)
+    if r["blocks_per_sequence"] > r["num_blocks"]:
+        print(f"warning: one sequence of {args.context} tokens needs "
+              f"{r['blocks_per_sequence']} blocks but the pool holds {r['num_blocks']}; the "
+              "engine refuses to start with this memory and context", file=sys.stderr)
     return 0
 
 

@@ -136,3 +136,35 @@ def test_ctrl_c_prints_what_finished_and_the_summary(tiny, tmp_path):
     assert "summary: " in err and "interrupted (Ctrl-C)" in err
     finished = int(err.split("interrupted (Ctrl-C): ")[1].split()[0])
     assert finished < 2000 and len(out.splitlines()) == finished
+
+
+# ----------------------------------------------------------------- the other entry points
+
+
+def test_python_m_refserve_lists_the_entry_points():
+    r = subprocess.run([sys.executable, "-m", "refserve"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0
+    for name in ("refserve.generate", "refserve.serve", "refserve.bench", "refserve.capacity"):
+        assert f"python -m {name}" in r.stdout
+
+
+def test_capacity_cli_reads_the_dtype_and_warns(tiny, capsys):
+    from refserve.capacity_cli import main as capacity_main
+
+    # The tiny model's config.json says float32: 4 bytes per element, not float16's 2.
+    assert capacity_main(["--model", str(tiny), "--memory", "1MiB", "--context", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert "float32" in out and "x 4 bytes" in out and not err
+    assert capacity_main(["--model", str(tiny), "--memory", "1MiB", "--context", "64",
+                          "--dtype", "float16"]) == 0
+    assert "x 2 bytes" in capsys.readouterr().out
+    # Beyond the model's 128 positions, and more than the pool holds.
+    assert capacity_main(["--model", str(tiny), "--memory", "300KiB", "--context", "4096"]) == 0
+    err = capsys.readouterr().err
+    assert "exceeds the model's max_position_embeddings 128" in err
+    assert "one sequence of 4096 tokens needs 256 blocks but the pool holds" in err
+    r = subprocess.run([sys.executable, "-m", "refserve.capacity", "--model", "nope",
+                        "--memory", "1GiB", "--context", "8"], capture_output=True, text=True,
+                       timeout=60)
+    assert_user_error(r, "neither a preset")

@@ -1,0 +1,25 @@
+"""`python -m refserve`: the command-line entry points, each with its own --help."""
+
+import sys
+
+ENTRY_POINTS = (
+    ("python -m refserve.generate", "generate text for prompts (streams one; --file for many)"),
+    ("python -m refserve.serve", "OpenAI-compatible HTTP server (completions, chat, SSE)"),
+    ("python -m refserve.bench", "benchmarks: batching, paged KV, prefix cache, chunking, ..."),
+    ("python -m refserve.capacity", "KV-cache capacity math for a model, memory and context"),
+    ("python -m refserve.course", "the course: student copy and grading report"),
+)
+
+
+def main() -> int:
+    print("refserve: a readable reference implementation of LLM inference serving.\n"
+          "Python API (vLLM's names): from refserve import LLM, SamplingParams\n\n"
+          "Entry points (each takes --help):")
+    width = max(len(cmd) for cmd, _ in ENTRY_POINTS)
+    for cmd, what in ENTRY_POINTS:
+        print(f"  {cmd:<{width}}  {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
