@@ -5,11 +5,13 @@ CELLS = [
 # 02 · One scheduler iteration, stage by stage
 
 A serving engine repeats one step. `LLMEngine.step()` in `refserve/engine.py` is six visible
-stages; this notebook runs them **one cell each, with exactly the calls `step()` makes**, on the
+stages (seven when speculating: a proposal stage first); this notebook runs them **one cell
+each, with exactly the calls `step()` makes**, on the
 embedded SmolLM2-135M and a deliberately tiny KV pool, so that admission, chunked prefill,
 retirement and preemption all happen within a dozen steps.
 
 ```
+engine.propose()                         # speculative only: drafts into seq.spec_token_ids
 out    = scheduler.schedule()            # who computes which tokens: admit / advance / preempt
 inputs = runner.prepare(out)             # the flat batch + attention metadata
 runner.copy_blocks(out.block_copies)     # copy-on-write, before anyone writes
@@ -32,7 +34,7 @@ from kvpictures import before_after, snapshot
 
 from refserve import LLM, SamplingParams
 
-POOL = dict(num_gpu_blocks=10, block_size=4, max_model_len=40,   # 10 blocks x 4 = 40 slots
+POOL = dict(num_gpu_blocks_override=10, block_size=4, max_model_len=40,   # 10 blocks x 4 = 40 slots
             max_num_seqs=3, max_num_batched_tokens=16)           # 3 seats, 16 tokens a step
 llm = LLM(**POOL, progress=False)
 engine = llm.engine
@@ -69,6 +71,16 @@ print("waiting:", [s.seq_id for s in scheduler.waiting], " running:", scheduler.
     ("md", r"""
 ## Iteration 0, one stage per cell
 
+### Stage 0: `engine.propose()`
+
+With `speculative_config` set, this is where the proposer (n-gram or draft model) writes draft
+tokens into each decoding sequence's `spec_token_ids` (notebook 03). This engine does not
+speculate, so it proposes nothing; `step()` calls it all the same.
+"""),
+    ("code", r"""
+print("proposals:", engine.propose())
+"""),
+    ("md", r"""
 ### Stage 1: `out = scheduler.schedule()`
 
 Continuous batching first ADVANCES the running sequences (none yet), then ADMITS waiting ones
@@ -85,10 +97,12 @@ print(out)
     ("md", r"""
 `step()` also keeps one number between stages 1 and 2: the KV pool is at its fullest right
 after `schedule()` (this step's blocks are allocated, nothing is retired yet), so that is where
-the peak is measured.
+the peak is measured (over the engine's life, and since the last `generate` reset).
 """),
     ("code", r"""
-engine.kv_blocks_peak = max(engine.kv_blocks_peak, kv.num_blocks - kv.num_free_blocks)
+in_use = kv.num_blocks - kv.num_free_blocks
+engine.kv_blocks_peak = max(engine.kv_blocks_peak, in_use)
+engine.kv_blocks_peak_since_reset = max(engine.kv_blocks_peak_since_reset, in_use)
 print("KV blocks at peak so far:", engine.kv_blocks_peak, "of", kv.num_blocks)
 """),
     ("md", r"""
@@ -145,12 +159,14 @@ print("seq_id -> sampled tokens:", tokens.token_ids)
 
 Now the step is applied: `num_computed_tokens` advances by the tokens computed, sampled tokens
 are appended, full computed blocks are hashed for the prefix cache, finished sequences are
-RETIRED and their blocks freed. After the six stages `step()` does its own bookkeeping for the
-caller (`engine._postprocess`: text by incremental detokenization, stop strings, times) and
-returns one `RequestOutput` per request that got tokens.
+RETIRED and their blocks freed. After the stages `step()` does its own bookkeeping for the
+caller (`engine._count_passes`: per-request target passes and speculative counts;
+`engine._postprocess`: text by incremental detokenization, stop strings, times) and returns one
+`RequestOutput` per request that got tokens.
 """),
     ("code", r"""
 retired = scheduler.update(out, tokens)
+engine._count_passes(out, tokens)
 outputs = engine._postprocess(out, tokens, time.perf_counter())
 for seq in SEQS:
     print(f"seq {seq.seq_id} {seq.request_id:>5}: {seq.status.value:<8} computed "
@@ -177,15 +193,19 @@ and latency.
 def iteration(engine):
     # LLMEngine.step(), stage by stage (timing and error wrapping left out).
     scheduler, runner, kv = engine.scheduler, engine.runner, engine.kv_cache_manager
+    engine.propose()
     out = scheduler.schedule()
     if not out.scheduled:
         return out, [], []
-    engine.kv_blocks_peak = max(engine.kv_blocks_peak, kv.num_blocks - kv.num_free_blocks)
+    in_use = kv.num_blocks - kv.num_free_blocks
+    engine.kv_blocks_peak = max(engine.kv_blocks_peak, in_use)
+    engine.kv_blocks_peak_since_reset = max(engine.kv_blocks_peak_since_reset, in_use)
     inputs = runner.prepare(out)
     runner.copy_blocks(out.block_copies)
     logits = runner.forward(inputs)
     tokens = engine.sample(out, logits)
     retired = scheduler.update(out, tokens)
+    engine._count_passes(out, tokens)
     outputs = engine._postprocess(out, tokens, time.perf_counter())
     return out, retired, outputs
 

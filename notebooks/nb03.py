@@ -149,7 +149,7 @@ passage = ("The quick brown fox jumps over the lazy dog. The dog sleeps under th
            "tree while the fox runs into the forest.")
 prompts = {"quote": f"Repeat this sentence exactly: {passage}\nRepeated: {passage[:40]}",
            "creative": "Write a short poem about a lighthouse keeper who talks to the moon:"}
-greedy = SamplingParams(max_tokens=24, temperature=0.0)
+greedy = SamplingParams(max_tokens=16, temperature=0.0)
 configs = {
     "plain": None,
     "n-gram k=4": {"method": "ngram", "num_speculative_tokens": 4},
@@ -159,7 +159,7 @@ configs = {
 results = {}
 for name, spec in configs.items():
     try:
-        llm = LLM(max_model_len=256, num_gpu_blocks=64, speculative_config=spec,
+        llm = LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=spec,
                   progress=False)
     except NotImplementedError as e:   # an engine without speculative decoding
         print(f"{name}: not available in this version of refserve ({e})")
@@ -183,7 +183,9 @@ print("\nquote continuation:", repr(results[("plain", "quote")][0]))
 What to look for: on the quote prompt the n-gram drafts are mostly accepted, so fewer target
 passes per token (each pass costs about one decode step); on the creative prompt acceptance
 falls and speculation only adds work. The self-draft pays for its draft layers on every token
-(draft cost c ≈ 8/30 of a pass here): WARMUP.md §9 turns α, k and c into the speedup
+(draft cost c ≈ 8/30 of a pass here), and 8 of 30 layers of a 135M model are a weak draft:
+when a request's acceptance stays too low, refserve's adaptive rule (`"adaptive": true`, the
+default) stops speculating for it. WARMUP.md §9 turns α, k and c into the speedup
 `(1 − α^(k+1)) / ((1 − α)(1 + c·k))`, and the "speculative decoding made it worse" war story.
 On a 2-core CPU wall-clock times are noisy; compare target passes per token first.
 """),

@@ -97,7 +97,7 @@ print(f"blocks per request at its peak: {peak} -> {sum(peak)} together, pool {PO
 
 
 def replay(max_num_seqs):
-    llm = LLM(num_gpu_blocks=POOL_BLOCKS, block_size=BLOCK, max_model_len=128,
+    llm = LLM(num_gpu_blocks_override=POOL_BLOCKS, block_size=BLOCK, max_model_len=128,
               max_num_seqs=max_num_seqs, progress=False)
     engine = llm.engine
     kv = engine.kv_cache_manager
@@ -151,7 +151,8 @@ because the prefills of the whole batch share the first steps. CPU numbers are s
 2-core numbers: the shape matters, not the values.
 """),
     ("code", r"""
-llm = LLM(num_gpu_blocks=64, block_size=16, max_model_len=128, max_num_seqs=8, progress=False)
+llm = LLM(num_gpu_blocks_override=64, block_size=16, max_model_len=128, max_num_seqs=8,
+          progress=False)
 measure = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 llm.generate(prompts[:1], measure, use_tqdm=False)   # warm-up (first-call allocations)
 table = []
