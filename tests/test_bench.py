@@ -33,4 +33,8 @@ def test_batching_quick(tmp_path, smollm2_dir, capsys):
     # argmax in float32, so allow one or two): the comparison is like for like.
     assert hf["same_outputs_as_refserve"] >= 6
     assert (tmp_path / "bench.png").stat().st_size > 0
+    overhead = data["overhead"]
+    assert 0 < overhead["dense_matmul_floor_ms"] < overhead["forward_ms"]
+    assert overhead["step_over_floor"] > 1
+    assert 0 < overhead["sampling_top_p_ms"] and 0 < overhead["sampling_fraction"] < 1
     assert "continuous / refserve static" in capsys.readouterr().out

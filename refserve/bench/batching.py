@@ -106,28 +106,73 @@ def run_transformers(model_dir: Path, workload: Workload, batch_size: int) -> di
 
 
 def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
-    """Scheduling + batch preparation + sampling time per decode step with `running`
-    sequences in the batch (everything in step() that is not model.forward)."""
+    """One decode step with `running` sequences, taken apart: the whole step, the model
+    forward, the dense-matmul floor (the same matmuls on random weights of the model's
+    shapes, nothing else), and the sampler at top_p 0.9 (non-greedy, the costly case)."""
     engine = llm.engine
     wl = make_workload(running, seed=1, vocab_size=vocab_size, prompt_range=(32, 64))
     for p in wl.prompts:
-        engine.add_request(None, p, SamplingParams(max_tokens=steps + 1, temperature=0.0,
-                                                   ignore_eos=True))
+        engine.add_request(None, p, SamplingParams(max_tokens=steps + 1, temperature=0.8,
+                                                   top_p=0.9, seed=0, ignore_eos=True))
     # Prefill first, then time pure decode steps.
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
             or engine.scheduler.num_waiting:
         engine.step()
+    sampler_time = [0.0]
+    original = engine.sampler.sample
+
+    def timed_sample(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            sampler_time[0] += time.perf_counter() - t0
+
+    engine.sampler.sample = timed_sample
     s0, f0 = engine.time_in_step, engine.runner.time_in_forward
-    for _ in range(steps):
-        engine.step()
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        engine.sampler.sample = original
     in_step = engine.time_in_step - s0
     in_fwd = engine.runner.time_in_forward - f0
     while engine.has_unfinished():
         engine.step()
-    return {"running": running, "steps": steps, "step_ms": 1000 * in_step / steps,
+    floor = dense_matmul_floor(engine.model, running)
+    step_ms = 1000 * in_step / steps
+    return {"running": running, "steps": steps, "step_ms": step_ms,
             "forward_ms": 1000 * in_fwd / steps,
             "outside_forward_ms": 1000 * (in_step - in_fwd) / steps,
-            "outside_forward_fraction": (in_step - in_fwd) / in_step}
+            "outside_forward_fraction": (in_step - in_fwd) / in_step,
+            "dense_matmul_floor_ms": floor, "step_over_floor": step_ms / floor,
+            "sampling_top_p_ms": 1000 * sampler_time[0] / steps,
+            "sampling_fraction": sampler_time[0] / in_step}
+
+
+def dense_matmul_floor(model, rows: int, repeats: int = 5) -> float:
+    """Milliseconds for one decode step's dense matmuls alone: per layer q/k/v, o, gate/up
+    and down on `rows` activations, plus the LM head, on random weights of the model's
+    shapes and layout (refserve.models.llama.linear). The best of `repeats`: a floor no
+    decode step of this model can beat on this machine with this BLAS."""
+    from refserve.models.llama import linear
+
+    rng = np.random.default_rng(0)
+    layer = model.layers[0]
+    shapes = [layer.w_qkv.shape, layer.w_o.shape, layer.w_gate_up.shape, layer.w_down.shape]
+    weights = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+    lm_head = rng.standard_normal(model.lm_head.shape, dtype=np.float32)
+    x_in = {w.shape[1]: rng.standard_normal((rows, w.shape[1]), dtype=np.float32)
+            for w in [*weights, lm_head]}
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(model.config.num_hidden_layers):
+            for w in weights:
+                linear(x_in[w.shape[1]], w)
+        linear(x_in[lm_head.shape[1]], lm_head)
+        best = min(best, time.perf_counter() - t0)
+    return 1000 * best
 
 
 BATCH_COLS = [("system", "system", ""), ("tokens_per_s", "tok/s", ".1f"),
@@ -173,6 +218,11 @@ def run(args) -> dict:
     print(f"overhead at {overhead['running']} running: step {overhead['step_ms']:.1f} ms, "
           f"forward {overhead['forward_ms']:.1f} ms, outside the forward "
           f"{overhead['outside_forward_ms']:.2f} ms ({overhead['outside_forward_fraction']:.1%})")
+    print(f"dense-matmul floor at {overhead['running']} rows: "
+          f"{overhead['dense_matmul_floor_ms']:.1f} ms; step / floor = "
+          f"{overhead['step_over_floor']:.2f}x")
+    print(f"sampling at top_p 0.9: {overhead['sampling_top_p_ms']:.2f} ms per step "
+          f"({overhead['sampling_fraction']:.1%} of the step)")
     return result
 
 
