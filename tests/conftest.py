@@ -54,6 +54,15 @@ def hf_greedy_fn():
     return hf_greedy
 
 
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama (GQA, tied embeddings) saved as an HF folder, no tokenizer."""
+    from model_utils import save_tiny_hf_model
+
+    folder, _ = save_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", True, 2)
+    return folder
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

@@ -4,19 +4,12 @@ test_engine_smollm2.py.)"""
 
 import numpy as np
 import pytest
-from model_utils import save_tiny_hf_model
 
 from refserve import LLM, SamplingParams
 from refserve.engine import EngineStepError, LLMEngine
 from refserve.sequence import SequenceStatus
 
 VOCAB = 97
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder, _ = save_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", True, 2)
-    return folder
 
 
 def make_llm(folder, **kw):

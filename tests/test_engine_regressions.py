@@ -4,17 +4,10 @@ its fix."""
 
 import numpy as np
 import pytest
-from model_utils import save_tiny_hf_model
 
 from refserve import LLM, SamplingParams
 from refserve.detokenizer import IncrementalDetokenizer
 from refserve.engine import EngineStepError
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder, _ = save_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", True, 2)
-    return folder
 
 
 def make_llm(folder, **kw):

@@ -7,7 +7,6 @@ long request failed mid-run).
 
 import numpy as np
 import pytest
-from model_utils import save_tiny_hf_model
 
 import refserve.engine as engine_module
 from refserve import LLM, SamplingParams, capacity
@@ -17,12 +16,6 @@ from refserve.engine import LLMEngine
 
 # The tiny model: 2 layers, 2 KV heads of head_dim 12, max_position_embeddings 128.
 KV_BYTES_PER_TOKEN_F32 = 2 * 2 * 2 * 12 * 4
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder, _ = save_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", True, 2)
-    return folder
 
 
 def engine(folder, **kw):

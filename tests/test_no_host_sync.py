@@ -15,8 +15,7 @@ only download allowed is the logits, through `to_numpy`.
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
-from model_utils import row, save_tiny_hf_model
+from model_utils import row
 
 from refserve.backends.numpy_backend import NumpyBackend
 from refserve.model_runner import ModelRunner
@@ -106,12 +105,6 @@ class CountingBackend(NumpyBackend):
     def allocate_kv_cache(self, *args, **kwargs):
         return [(k.view(DeviceArray), v.view(DeviceArray))
                 for k, v in super().allocate_kv_cache(*args, **kwargs)]
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder, _ = save_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", True, 2)
-    return folder
 
 
 def mixed_step(rng):
