@@ -384,7 +384,16 @@ class LLMEngine:
         and seeded requests draw the same random numbers again.
         """
         t_step = time.perf_counter()
-        self.propose()
+        try:
+            self.propose()
+        except Exception as e:
+            # Speculation is optional: forget the drafts, leave every sequence as it was.
+            for seq in self.scheduler.running:
+                seq.spec_token_ids.clear()
+            ids = sorted({seq.request_id for seq in self.scheduler.running})
+            raise EngineStepError(f"the proposal stage failed for request(s) {ids}: {e!r}. "
+                                  "Nothing was scheduled; call step() again or abort these "
+                                  "requests.", ids) from e
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished():

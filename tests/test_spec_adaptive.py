@@ -7,23 +7,27 @@ from refserve.spec_decode.adaptive import AdaptiveSpeculation, best_num_drafts
 from refserve.spec_decode.metrics import expected_tokens_per_pass
 
 
-def test_best_num_drafts_is_the_argmax_of_tokens_per_cost():
+@pytest.mark.parametrize("overhead", [0.0, 0.5, adaptive.VERIFY_OVERHEAD])
+def test_best_num_drafts_is_the_argmax_of_tokens_per_cost(overhead):
     for alpha in [0.0, 0.05, 0.2, 0.5, 0.8, 0.95, 1.0]:
         for cost in [0.0, 0.1, 0.3, 1.0]:
             k = 6
-            rates = [expected_tokens_per_pass(alpha, kk) / (1 + kk * cost)
-                     for kk in range(k + 1)]
-            best = best_num_drafts(alpha, k, cost)
+            rates = [1.0] + [expected_tokens_per_pass(alpha, kk) / (1 + overhead + kk * cost)
+                             for kk in range(1, k + 1)]
+            best = best_num_drafts(alpha, k, cost, overhead)
             assert rates[best] == pytest.approx(max(rates))
             assert all(rates[kk] < rates[best] - 1e-12 for kk in range(best))  # smallest
 
 
 def test_k_shrinks_with_acceptance_and_with_draft_cost():
-    ks = [best_num_drafts(a / 20, 5, 0.1) for a in range(21)]
-    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 5
-    assert best_num_drafts(0.7, 5, 0.5) < best_num_drafts(0.7, 5, 0.1)
-    # break-even of one draft: 1 + α > 1 + c  <=>  α > c
-    assert best_num_drafts(0.09, 5, 0.1) == 0 and best_num_drafts(0.12, 5, 0.1) >= 1
+    for overhead in (0.0, adaptive.VERIFY_OVERHEAD):
+        ks = [best_num_drafts(a / 20, 5, 0.1, overhead) for a in range(21)]
+        assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 5
+    assert best_num_drafts(0.7, 5, 0.5, 0.0) < best_num_drafts(0.7, 5, 0.1, 0.0)
+    # break-even of one draft without overhead: 1 + α > 1 + c  <=>  α > c
+    assert best_num_drafts(0.09, 5, 0.1, 0.0) == 0 and best_num_drafts(0.12, 5, 0.1, 0.0) >= 1
+    # a verify overhead raises the acceptance speculation needs
+    assert best_num_drafts(0.5, 5, 0.05, 0.0) > 0 == best_num_drafts(0.5, 5, 0.05, 1.5)
 
 
 def test_a_fresh_sequence_speculates_and_a_rejected_one_stops_then_probes():
@@ -34,7 +38,7 @@ def test_a_fresh_sequence_speculates_and_a_rejected_one_stops_then_probes():
         rule.observe(0, 4, 0)  # every draft rejected at once
         steps += 1
         assert steps < 20
-    assert rule.alpha(0) < adaptive.VERIFY_COST_PER_TOKEN
+    assert best_num_drafts(rule.alpha(0), 4, rule.cost_per_draft, rule.overhead) == 0
     # idle for PROBE_EVERY steps (the loop's last call was the first), then one probe
     assert [rule.num_drafts(0) for _ in range(adaptive.PROBE_EVERY - 1)] == \
         [0] * (adaptive.PROBE_EVERY - 1)

@@ -258,3 +258,32 @@ def test_failed_verify_restores_the_generators(tiny):
         done.update({o.request_id: o for o in outs if o.finished})
     assert failures == 1
     assert [[c.token_ids for c in done[i].outputs] for i in ids] == expected
+
+
+def test_failed_proposal_stage_is_an_engine_step_error_and_leaves_no_drafts(tiny):
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": "self",
+            "num_draft_layers": 1, "adaptive": False}
+    expected = tokens(make_llm(tiny, spec).generate(PROMPTS, GREEDY, use_tqdm=False))
+    engine = make_llm(tiny, spec).engine
+    ids = [engine.add_request(None, p, GREEDY) for p in PROMPTS]
+    real, calls = engine.proposer.runner.forward, [0]
+
+    def flaky(inputs):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("injected draft failure")
+        return real(inputs)
+
+    engine.proposer.runner.forward = flaky
+    done, failures = {}, 0
+    while engine.has_unfinished():
+        try:
+            outs = engine.step()
+        except EngineStepError as e:
+            failures += 1
+            assert "proposal stage" in str(e)
+            assert all(not s.spec_token_ids for s in engine.scheduler.running)
+            continue
+        done.update({o.request_id: o for o in outs if o.finished})
+    assert failures == 1
+    assert [[c.token_ids for c in done[i].outputs] for i in ids] == expected

@@ -4,17 +4,23 @@ A verify step with k' drafts emits on average E(α, k') = (1 - α^(k'+1)) / (1 -
 (Leviathan et al.; `metrics.expected_tokens_per_pass`) and costs, relative to a plain decode
 step, about
 
-    cost(k') = 1 + k' · (VERIFY_COST_PER_TOKEN + draft_cost_per_token)
+    cost(0)  = 1
+    cost(k') = 1 + VERIFY_OVERHEAD + k' · (VERIFY_COST_PER_TOKEN + draft_cost_per_token)
 
-VERIFY_COST_PER_TOKEN: one more query token in the target's pass. At small batch a decode is
-bound by reading the weights, which a verify reads once for all k'+1 tokens, so this is small.
+VERIFY_OVERHEAD: what going from 1 to several query tokens costs by itself. In theory ~0 (a
+small-batch decode is bound by reading the weights, which a verify reads once for all k'+1
+tokens); on the NumPy backend it is not: OpenBLAS multiplies a 1-row activation with its
+matrix-vector kernel (gemv) but 2-8 rows with its general kernel (sgemm), which on a 2-core
+SkylakeX runs that tiny shape several times slower. Measured on SmolLM2-135M at a 300-token
+context: a 1-token pass 137 ms, a 2..8-token pass 335-400 ms (about 2.5x).
+VERIFY_COST_PER_TOKEN: each further query token (attention, the logits row, the warp).
 draft_cost_per_token: one draft forward per draft token, relative to the target's
 (0 for the n-gram proposer; about num_draft_layers / num_layers for a self-draft).
 
 THE RULE. Each sequence keeps a running estimate α̂ of its acceptance, and before each step
 proposes k' = argmax over k' in 0..k of E(α̂, k') / cost(k')   (ties: the smaller k'). So k
 shrinks as acceptance falls, and at k' = 0 the sequence stops speculating: a low-acceptance
-request decodes at plain speed, minus nothing but the estimate's bookkeeping.
+request decodes at plain speed, minus the probes below.
 
     α̂ = (A + PRIOR_ALPHA · PRIOR_WEIGHT) / (T + PRIOR_WEIGHT)
 
@@ -25,7 +31,9 @@ free text starts). The prior lets a fresh request speculate at full k until evid
 
 Stopping must not be forever (acceptance changes when, e.g., the model starts quoting), so a
 sequence at k' = 0 for PROBE_EVERY consecutive steps probes once with PROBE_TOKENS drafts;
-a probe's outcome updates α̂ like any verify step.
+a probe's outcome updates α̂ like any verify step. A probe costs about VERIFY_OVERHEAD extra
+decode steps, so with PROBE_EVERY = 30 a request whose drafts are never accepted runs about
+5% slower than without speculation.
 
 All constants are here and nowhere else; tests/test_spec_adaptive.py pins the rule.
 """
@@ -36,19 +44,22 @@ from dataclasses import dataclass
 
 from refserve.spec_decode.metrics import expected_tokens_per_pass
 
-VERIFY_COST_PER_TOKEN = 0.1   # extra cost of one more query token in a target pass
-PRIOR_ALPHA = 0.5             # α assumed before a request has been tested
+VERIFY_OVERHEAD = 1.5         # a several-token pass vs a 1-token pass, minus 1 (see above)
+VERIFY_COST_PER_TOKEN = 0.05  # extra cost of one more query token in a target pass
+PRIOR_ALPHA = 0.8             # α assumed before a request has been tested (optimistic: try)
 PRIOR_WEIGHT = 1.0            # ... worth this many accept tests
 DECAY = 0.9                   # weight of the past per verify step (≈ last 10 steps count)
-PROBE_EVERY = 8               # steps at k' = 0 before one probe
+PROBE_EVERY = 30              # steps at k' = 0 before one probe
 PROBE_TOKENS = 2              # drafts in a probe
 
 
-def best_num_drafts(alpha: float, k: int, cost_per_draft: float) -> int:
-    """argmax over k' in 0..k of E(α, k') / (1 + k' · cost_per_draft); the smaller on ties."""
+def best_num_drafts(alpha: float, k: int, cost_per_draft: float,
+                    overhead: float = VERIFY_OVERHEAD) -> int:
+    """argmax over k' in 0..k of E(α, k') / cost(k'), cost(0) = 1 and
+    cost(k') = 1 + overhead + k' · cost_per_draft; the smaller k' on ties."""
     best, best_rate = 0, 1.0
     for kk in range(1, k + 1):
-        rate = expected_tokens_per_pass(alpha, kk) / (1.0 + kk * cost_per_draft)
+        rate = expected_tokens_per_pass(alpha, kk) / (1.0 + overhead + kk * cost_per_draft)
         if rate > best_rate + 1e-12:
             best, best_rate = kk, rate
     return best
@@ -68,9 +79,11 @@ class _State:
 class AdaptiveSpeculation:
     """The rule of the module docstring, per sequence id. `enabled=False`: always k."""
 
-    def __init__(self, k: int, draft_cost_per_token: float = 0.0, enabled: bool = True):
+    def __init__(self, k: int, draft_cost_per_token: float = 0.0, enabled: bool = True,
+                 overhead: float = VERIFY_OVERHEAD):
         self.k = k
         self.cost_per_draft = VERIFY_COST_PER_TOKEN + draft_cost_per_token
+        self.overhead = overhead
         self.enabled = enabled
         self._states: dict[int, _State] = {}
 
@@ -83,7 +96,7 @@ class AdaptiveSpeculation:
         if not self.enabled:
             return self.k
         state = self._states.setdefault(seq_id, _State())
-        n = best_num_drafts(state.alpha, self.k, self.cost_per_draft)
+        n = best_num_drafts(state.alpha, self.k, self.cost_per_draft, self.overhead)
         if n > 0:
             state.idle_steps = 0
             return n
@@ -111,7 +124,9 @@ class AdaptiveSpeculation:
 
 
 if __name__ == "__main__":
-    for cost in (0.0, 0.3):
-        print(f"draft cost per token {cost}: best k' for k = 5 at α = 0.0 .. 1.0")
-        print("  ", [best_num_drafts(a / 10, 5, VERIFY_COST_PER_TOKEN + cost)
-                     for a in range(11)])
+    for overhead in (0.0, VERIFY_OVERHEAD):
+        for cost in (0.0, 0.3):
+            print(f"verify overhead {overhead}, draft cost per token {cost}: best k' for "
+                  f"k = 5 at α = 0.0 .. 1.0")
+            print("  ", [best_num_drafts(a / 10, 5, VERIFY_COST_PER_TOKEN + cost, overhead)
+                         for a in range(11)])

@@ -12,8 +12,8 @@ Proposing for a batch of target sequences (one batched draft forward per draft p
     1. ROLL BACK  each shadow to the longest common prefix (LCP) of its tokens and the
                   target's: the target accepted some drafts and replaced the first rejected
                   one, so shadow K/V past the LCP is stale. num_computed_tokens =
-                  min(num_computed_tokens, LCP) un-computes it (the slots are rewritten), and
-                  the shadow's tokens become the target's.
+                  min(num_computed_tokens, LCP, num_tokens - 1) un-computes it (the slots
+                  are rewritten), and the shadow's tokens become the target's.
     2. DRAFT      step i = 0 computes each shadow's catch-up chunk (the tokens it has not
                   computed yet: the last accepted / recovered / bonus tokens; the whole
                   prompt for a new shadow) and samples x_1 from the last position's logits;
@@ -134,9 +134,12 @@ class DraftModelProposer(Proposer):
         mine, theirs = shadow.token_ids, seq.token_ids
         while lcp < min(len(mine), len(theirs)) and mine[lcp] == theirs[lcp]:
             lcp += 1
-        shadow.num_computed_tokens = min(shadow.num_computed_tokens, lcp)
         del mine[lcp:]
         mine.extend(theirs[lcp:])
+        # The last token is always (re)computed: its logits sample the first draft. (It has
+        # K/V already only when re-proposing from an unchanged state, e.g. after a failed
+        # step.)
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, lcp, len(mine) - 1)
         shadow.sampling_params = seq.sampling_params
         self._synced[seq.seq_id] = len(theirs)
         if self.kv_cache_manager.has_sequence(seq.seq_id):
