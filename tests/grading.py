@@ -141,6 +141,7 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_loadtest*.py", None, ("serving",)),
     ("test_*cli*.py", None, ("cli",)),
     ("test_notebook*.py", None, ("course",)),
+    ("*.ipynb", None, ("course",)),  # the notebooks themselves, executed by nbmake
     ("test_course*.py", None, ("course",)),
     ("test_student*.py", None, ("course",)),
     ("test_grading*.py", None, ("course",)),
@@ -249,8 +250,9 @@ def pytest_collection_modifyitems(config, items):
             continue  # the test file chose its own mechanism
         module = Path(str(item.fspath)).name
         name = getattr(item, "originalname", None) or item.name.split("[")[0]
-        if item.cls is not None:
-            name = f"{item.cls.__name__}.{name}"
+        cls = getattr(item, "cls", None)  # notebook items (nbmake) have no class
+        if cls is not None:
+            name = f"{cls.__name__}.{name}"
         for marker in mechanisms_for(module, name):
             item.add_marker(marker)
 
