@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=8, help="the larger batch size")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--draft-layers", type=int, default=8, help="self-draft: target layers")
-    p.add_argument("--batch1-requests", type=int, default=2,
+    p.add_argument("--batch1-requests", type=int, default=3,
                    help="batch 1: requests run one after another per workload")
     p.add_argument("--batch1-only", action="store_true", help="skip the batch-B runs")
 
@@ -72,12 +72,19 @@ def _systems(args) -> dict[str, dict | None]:
                            "model": "self", "num_draft_layers": args.draft_layers}}
 
 
-def _run(llm, prompts, params, batch: int):
-    """Generate every prompt, `batch` at a time; returns (outputs, seconds)."""
-    outs, t0 = [], time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        outs += llm.generate(prompts[i:i + batch], params, use_tqdm=False)
-    return outs, time.perf_counter() - t0
+def _run_interleaved(llms: dict, prompts, params, batch: int):
+    """Every system generates every group of `batch` prompts; the systems take turns group
+    by group, in an order rotated each group, so a slow spell of a shared machine (other
+    processes) hits all systems alike. Returns {system: (outputs, seconds)}."""
+    names = list(llms)
+    outs = {name: [] for name in names}
+    seconds = dict.fromkeys(names, 0.0)
+    for g, i in enumerate(range(0, len(prompts), batch)):
+        for name in names[g % len(names):] + names[:g % len(names)]:
+            t0 = time.perf_counter()
+            outs[name] += llms[name].generate(prompts[i:i + batch], params, use_tqdm=False)
+            seconds[name] += time.perf_counter() - t0
+    return {name: (outs[name], seconds[name]) for name in names}
 
 
 def run(args) -> dict:
@@ -96,15 +103,14 @@ def run(args) -> dict:
     batches = [1] if args.batch1_only or args.batch == 1 else [1, args.batch]
     cells = [(kind, b) for kind in ("quote-heavy", "creative") for b in batches]
     rows = []
-    bar = tqdm(total=len(cells) * len(llms), desc="spec", unit="run")
+    bar = tqdm(total=len(cells), desc="spec", unit="cell")
     for kind, batch in cells:
         # batch 1: a few requests one at a time; batch B: B requests at once
         count = args.batch1_requests if batch == 1 else batch
         prompts = _prompts(tok, kind, count, args.passage_tokens, args.seed)
         reference = None
-        for name, llm in llms.items():
-            outs, seconds = _run(llm, prompts, params, batch)
-            s = llm.last_summary
+        for name, (outs, seconds) in _run_interleaved(llms, prompts, params, batch).items():
+            s = llms[name].last_summary
             ids = [o.outputs[0].token_ids for o in outs]
             if reference is None:
                 reference, base_seconds = ids, seconds
@@ -123,7 +129,7 @@ def run(args) -> dict:
                 "target_passes_per_token": passes / out_tokens if out_tokens else None,
                 "identical_outputs": sum(a == b for a, b in zip(ids, reference)),
                 "summary": s.format_speculation() if s is not None else ""})
-            bar.update(1)
+        bar.update(1)
     bar.close()
     print()
     print_table(rows, [("workload", "workload", ""), ("batch", "batch", "d"),
