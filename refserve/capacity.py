@@ -277,11 +277,27 @@ def check_pool_holds_one_sequence(num_blocks: int, block_size: int, max_model_le
         f"{num_blocks * block_size}")
 
 
+def kv_budget_on_device(total: int, free: int, utilization: float,
+                        activations: int) -> tuple[int, str]:
+    """Bytes the KV pool may take on a GPU, vLLM's rule: the whole instance may use
+    utilization × the device's TOTAL memory; what is already in use (weights, CUDA context:
+    total - free) and one step's activations come off. Returns (bytes, what sized it)."""
+    in_use = total - free
+    budget = int(total * utilization) - in_use - activations
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization}: the instance may use "
+            f"{format_bytes(total * utilization)} of the device's "
+            f"{format_bytes(total)}, but {format_bytes(in_use)} is in "
+            f"use already (weights, other processes) and one step's activations need "
+            f"{format_bytes(activations)}; raise gpu_memory_utilization")
+    return budget, (f"gpu_memory_utilization={utilization} of the device's total "
+                    f"{format_bytes(total)} (weights + activations + KV)")
+
+
 if __name__ == "__main__":
-    # `python -m refserve.capacity` keeps working; the CLI is imported only here, so no core
-    # module that imports this file pulls in argparse and the command line.
-    import sys
+    # `python -m refserve.capacity` runs the command line, which lives in capacity_cli.py so
+    # that this module (imported by the engine) never imports a CLI.
+    import runpy
 
-    from refserve.capacity_cli import main
-
-    sys.exit(main())
+    runpy.run_module("refserve.capacity_cli", run_name="__main__")

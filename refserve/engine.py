@@ -13,13 +13,7 @@ speculating: the proposal stage first):
     tokens = engine.sample(out, logits)    # one token per sampling row; 1..k+1 per verify row
     scheduler.update(out, tokens)          # append, fork, hash full blocks, retire, free
 
-The public API mirrors vLLM's offline API, so code written against refserve moves to vLLM by
-changing one import:
-
-    from refserve import LLM, SamplingParams
-    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
-    outs[0].outputs[0].text
+The offline API around it (`LLM`, vLLM's names) is refserve/llm.py.
 """
 
 from __future__ import annotations
@@ -27,26 +21,26 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from refserve import capacity
+import refserve.capacity as capacity
 from refserve.backends import get_backend
 from refserve.config import EngineConfig
-from refserve.detokenizer import IncrementalDetokenizer
 from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
-from refserve.logprobs import compute_logprobs
 from refserve.metrics import RequestMetrics
 from refserve.model_runner import ModelRunner
-from refserve.outputs import CompletionOutput, RequestOutput
+from refserve.models.loader import load_tokenizer, resolve_model_path
+from refserve.output_processor import RequestState, postprocess
+from refserve.outputs import RequestOutput
+from refserve.prompt_logprobs import score_prompt
 from refserve.sampling import Sampler, SamplingParams, make_generator
 from refserve.scheduler import SampledTokens, Scheduler, SchedulerOutput, StaticScheduler
-from refserve.sequence import Sequence, SequenceStatus
+from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
 from refserve.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from refserve.spec_decode.engine_stages import SpeculationStages
 from refserve.spec_decode.proposer import NgramProposer, Proposal
 from refserve.spec_decode.verify import verify
 
@@ -61,48 +55,10 @@ class EngineStepError(RuntimeError):
         self.request_ids = request_ids
 
 
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    seed: int | None = None  # its own seed, else one drawn from the engine's seed
-    seqs: list[Sequence] = field(default_factory=list)
-    generators: dict[int, np.random.Generator] = field(default_factory=dict)
-    stop_text_len: dict[int, int] = field(default_factory=dict)  # seq_id → text cut at stop
-    stop_reason: dict[int, int | str] = field(default_factory=dict)  # seq_id → string / id
-    logprobs: dict[int, list] = field(default_factory=dict)  # seq_id → one dict per token
-    prompt_logprobs: list | None = None
-    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return (len(self.seqs) == self.params.n or self.seqs[0].is_finished) and all(
-            s.is_finished for s in self.seqs)
-
-
-def resolve_model_path(model: str | None, progress: bool = True) -> Path:
-    if model is None:
-        from refserve.models.default_model import ensure_default_model
-        return ensure_default_model(progress=progress)
-    return Path(model).expanduser()
-
-
-def load_tokenizer(path: Path):
-    """The HF fast tokenizer of a model folder, or None when the folder has none (then only
-    token-id prompts are accepted). transformers works without torch for this."""
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-class LLMEngine:
+class LLMEngine(SpeculationStages):
     def __init__(self, config: EngineConfig | None = None, progress: bool = True,
                  **kwargs) -> None:
-        from refserve.models.loader import load_model
+        from refserve.models.loader import load_model  # lazily: numpy-only until here
 
         self.config = config = config or EngineConfig(**kwargs)
         self.progress = progress
@@ -150,7 +106,14 @@ class LLMEngine:
         else:
             free_device = self.backend.free_device_memory()
             if free_device is not None:
-                memory, knob = self._kv_budget_on_device(free_device)
+                # Activations of one step at the token budget: hidden states, q/k/v, MLP,
+                # logits.
+                tokens, item = config.max_num_batched_tokens, self.dtype.itemsize
+                activations = (tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size) * item
+                               + min(tokens, config.max_num_seqs) * mc.vocab_size * 4)
+                memory, knob = capacity.kv_budget_on_device(
+                    self.backend.total_device_memory(), free_device,
+                    config.gpu_memory_utilization, activations)
                 utilization = 1.0
             else:
                 memory, utilization = config.kv_cache_memory_bytes, 1.0
@@ -183,7 +146,7 @@ class LLMEngine:
         self.adaptive = AdaptiveSpeculation(spec.k if spec else 0, draft_cost,
                                             enabled=spec is not None and spec.adaptive)
         self._proposals: dict[int, Proposal] = {}  # this step's drafts, by seq_id
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         # vLLM's engine-level seed: an unseeded request gets its seed from this stream, so
         # the same engine seed and the same requests give the same outputs.
@@ -217,29 +180,6 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError(f"{self.model_path} has no tokenizer; pass prompt token ids")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
-
-    def _kv_budget_on_device(self, free: int) -> tuple[int, str]:
-        """Bytes the KV pool may take on a GPU, vLLM's rule: the whole instance may use
-        gpu_memory_utilization × the device's TOTAL memory; what is already in use (weights,
-        CUDA context: total - free) and an estimate of one step's activations come off."""
-        util = self.config.gpu_memory_utilization
-        total = self.backend.total_device_memory()
-        mc, item = self.model.config, self.dtype.itemsize
-        # Activations of one step at the token budget: hidden states, q/k/v, MLP, logits.
-        tokens = self.config.max_num_batched_tokens
-        activations = (tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size) * item
-                       + min(tokens, self.config.max_num_seqs) * mc.vocab_size * 4)
-        in_use = total - free
-        budget = int(total * util) - in_use - activations
-        if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization={util}: the instance may use "
-                f"{capacity.format_bytes(total * util)} of the device's "
-                f"{capacity.format_bytes(total)}, but {capacity.format_bytes(in_use)} is in "
-                f"use already (weights, other processes) and one step's activations need "
-                f"{capacity.format_bytes(activations)}; raise gpu_memory_utilization")
-        return budget, (f"gpu_memory_utilization={util} of the device's total "
-                        f"{capacity.format_bytes(total)} (weights + activations + KV)")
 
     def apply_chat_template(self, conversation, chat_template: str | None = None,
                             add_generation_prompt: bool = True,
@@ -303,11 +243,11 @@ class LLMEngine:
         seed = params.seed
         if seed is None and self.config.seed is not None:
             seed = int(self._seed_stream.integers(2**31))
-        req = _Request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+        req = RequestState(request_id, prompt if isinstance(prompt, str) else None, token_ids,
                        params, RequestMetrics(arrival_time=now,
                                               num_prompt_tokens=len(token_ids)), seed)
         if params.prompt_logprobs is not None:
-            req.prompt_logprobs = self.score_prompt(token_ids, params.prompt_logprobs)
+            req.prompt_logprobs = score_prompt(self, token_ids, params.prompt_logprobs)
         seq = Sequence(request_id, token_ids, params, now)
         self.scheduler.add_sequence(seq)  # gives the sequence its id
         req.seqs.append(seq)
@@ -336,32 +276,7 @@ class LLMEngine:
 
     has_unfinished = has_unfinished_requests  # refserve's older name
 
-    def score_prompt(self, token_ids: list[int], num_logprobs: int) -> list:
-        """vLLM's prompt_logprobs: entry j is {token_id: Logprob} for prompt token j given
-        tokens 0..j-1 (entry 0 is None), from one extra forward of the prompt through a
-        scratch KV cache of its own (so the serving pool and prefix cache are untouched),
-        in chunks of max_num_batched_tokens so the logits stay [chunk, vocab]."""
-        from refserve.scheduler.output import ScheduledSequence
-
-        n, bs = len(token_ids), self.block_size
-        num_blocks = capacity.blocks_for_tokens(n, bs)
-        runner = ModelRunner(self.model, self.backend, num_blocks, bs)
-        seq = Sequence("prompt-logprobs", token_ids, SamplingParams())
-        chunk = self.config.max_num_batched_tokens
-        result: list = [None]
-        for start in range(0, n, chunk):
-            size = min(chunk, n - start)
-            seq.num_computed_tokens = start
-            out = SchedulerOutput(step=0, scheduled=[ScheduledSequence(
-                seq, size, start, size, block_ids=list(range(num_blocks)))])
-            logits = runner.forward(runner.prepare(out))
-            # Row i predicts prompt token start + i + 1 (the prompt's last row predicts none).
-            targets = token_ids[start + 1:start + size + 1]
-            result += compute_logprobs(logits[:len(targets)], targets, num_logprobs,
-                                       self._decode_token)
-        return result
-
-    def _decode_token(self, token_id: int) -> str | None:
+    def decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     # ------------------------------------------------------------------ one iteration
@@ -482,74 +397,6 @@ class LLMEngine:
         return result
 
     # ------------------------------------------------------------------ speculation
-    def propose(self) -> dict[int, Proposal]:
-        """The proposal stage (speculative decoding only; a no-op otherwise): fill
-        `seq.spec_token_ids` of every running, decode-ready sequence (num_computed_tokens ==
-        num_tokens - 1) with the proposer's drafts; returns them by seq_id. How many: see
-        `num_drafts`. The scheduler then schedules them after the real token (a verify
-        row), or drops those that do not fit the step's token budget or the pool; drafts of
-        preempted or retired sequences are dropped by the scheduler, and their proposer
-        state (a draft model's shadow sequence) is released here, on the next call."""
-        self._proposals = {}
-        if self.proposer is None:
-            return {}
-        running = self.scheduler.running
-        live = {seq.seq_id for seq in running}
-        self.proposer.release(live)
-        self.adaptive.forget_all_but(live)
-        seqs, counts = [], []
-        for seq in running:
-            seq.spec_token_ids.clear()  # drafts a step never scheduled are stale
-            n = self.num_drafts(seq)
-            if n > 0:
-                seqs.append(seq)
-                counts.append(n)
-        if not seqs:
-            return {}
-        for seq, proposal in zip(seqs, self.proposer.propose(seqs, counts)):
-            if proposal.token_ids:
-                seq.spec_token_ids.extend(proposal.token_ids)
-                self._proposals[seq.seq_id] = proposal
-        return self._proposals
-
-    def num_drafts(self, seq: Sequence) -> int:
-        """How many drafts `seq` may get now: 0 unless it is decode-ready and its params
-        allow speculation (no penalties, no logprobs, min_tokens already reached: those
-        need per-position logits processing the verify step does not do; a parent about to
-        fork samples its first token plainly). Otherwise the adaptive rule's k' (at most k),
-        capped so that the k' drafts and the recovered or bonus token exceed neither the
-        remaining max_tokens nor max_model_len: k' <= remaining - 1."""
-        sp = seq.sampling_params
-        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.awaiting_fork
-                or sp.has_penalties or sp.logprobs is not None
-                or seq.num_output_tokens < sp.min_tokens):
-            return 0
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
-        room = min(max_tokens - seq.num_output_tokens,
-                   self.max_model_len - seq.num_tokens) - 1
-        if room < 1:
-            return 0
-        return min(self.adaptive.num_drafts(seq.seq_id), room)
-
-    def _count_passes(self, out: SchedulerOutput, sampled: SampledTokens) -> None:
-        """Per-request metrics of the step just applied: one target pass per sampling row;
-        for a verify row, drafts proposed (num_logits - 1) and accepted (tokens emitted - 1),
-        which also feed the adaptive rule."""
-        for row in out.scheduled:
-            seq = row.seq
-            tokens = sampled.token_ids.get(seq.seq_id)
-            req = self.requests.get(seq.request_id)
-            if row.is_padding or not row.samples or tokens is None or req is None:
-                continue
-            m = req.metrics
-            m.num_target_passes += 1
-            if row.num_logits > 1:
-                proposed, accepted = row.num_logits - 1, len(tokens) - 1
-                m.num_spec_verify_steps += 1
-                m.num_spec_proposed += proposed
-                m.num_spec_accepted += accepted
-                self.adaptive.observe(seq.seq_id, proposed, accepted)
-
     def _sample_rows(self, logits: np.ndarray, seqs: list[Sequence],
                      generators: list[np.random.Generator], keys: list | None = None
                      ) -> list[int]:
@@ -564,7 +411,7 @@ class LLMEngine:
         if all(p.logprobs is None for p in params):
             return self.sampler.sample(logits, params, generators, **context)
         out = self.sampler.sample_with_logprobs(logits, params, generators,
-                                                decode=self._decode_token, **context)
+                                                decode=self.decode_token, **context)
         for key, lp in zip(keys or [s.seq_id for s in seqs], out.logprobs):
             if lp is not None:
                 self._new_logprobs[key] = lp
@@ -572,122 +419,8 @@ class LLMEngine:
 
     def _postprocess(self, out: SchedulerOutput, sampled: SampledTokens,
                      now: float) -> list[RequestOutput]:
-        """After update: register forked children, extend each sequence's text by its new
-        tokens (incremental detokenization), apply stop strings, stamp times; return one
-        RequestOutput per request that got tokens, and forget finished requests."""
-        for child in out.forked:
-            req = self.requests[child.request_id]
-            req.seqs.append(child)
-            parent_id = req.seqs[0].seq_id
-            req.generators[child.seq_id] = sampled.generators[(parent_id, child.child_index)]
-            lp = self._new_logprobs.pop((parent_id, child.child_index), None)
-            if lp is not None:
-                self._new_logprobs[child.seq_id] = lp
-        touched: dict[str, _Request] = {}
-        got_tokens = [row.seq for row in out.scheduled if row.seq.seq_id in sampled.token_ids]
-        for seq in got_tokens + out.forked:
-            req = self.requests.get(seq.request_id)
-            if req is None:
-                continue  # aborted since schedule()
-            touched[req.request_id] = req
-            self._advance_text(req, seq, now)
-        for req in touched.values():
-            if req.finished:
-                m = req.metrics
-                m.finish_time = max(s.finish_time or now for s in req.seqs)
-                m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
-                # TPOT is per sequence: the n samples decode side by side, so their time
-                # between tokens is each one's, not the total over n.
-                decoding = [s for s in req.seqs if s.num_output_tokens > 1
-                            and s.first_token_time is not None]
-                m.decode_time = sum(s.finish_time - s.first_token_time for s in decoding)
-                m.num_decode_tokens = sum(s.num_output_tokens - 1 for s in decoding)
-                m.num_cached_tokens = req.seqs[0].num_cached_tokens
-                m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
-        outputs = [self._output(req) for req in touched.values()]
-        for req in touched.values():
-            if req.finished:
-                del self.requests[req.request_id]
-        return outputs
-
-    def _advance_text(self, req: _Request, seq: Sequence, now: float) -> None:
-        """New tokens of `seq`: first-token time, text, stop strings, finish time.
-
-        Stop strings are checked on every new token once min_tokens output tokens exist
-        (vLLM), also on the one that finished the sequence by length (max_tokens /
-        max_model_len): a stop string it completes still cuts the text and makes the finish
-        reason "stop", as in vLLM. The text is cut before the stop string, or after it with
-        include_stop_str_in_output; stop_reason is the matched string, or the stop token id
-        that ended the sequence (None for EOS and length).
-        """
-        lp = self._new_logprobs.pop(seq.seq_id, None)
-        if lp is not None:
-            req.logprobs.setdefault(seq.seq_id, []).append(lp)
-        if seq.first_token_time is None and seq.num_output_tokens > 0:
-            seq.first_token_time = now
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-        detok = req.detokenizers.get(seq.seq_id)
-        if detok is None:
-            detok = req.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
-        old_len = len(detok.text)
-        detok.update(seq.output_token_ids)
-        params = req.params
-        stops = params.stop
-        if (stops and seq.seq_id not in req.stop_text_len
-                and seq.num_output_tokens >= params.min_tokens):
-            text = detok.text
-            # Only a match that ends in the new text is new: start the search far enough
-            # back for the longest stop string to straddle the old/new boundary.
-            since = max(0, old_len - max(map(len, stops)) + 1)
-            hits = [(i, st) for i, st in ((text.find(st, since), st) for st in stops)
-                    if i >= 0]
-            if hits:
-                at, stop = min(hits)
-                keep = len(stop) if params.include_stop_str_in_output else 0
-                req.stop_text_len[seq.seq_id] = at + keep
-                req.stop_reason[seq.seq_id] = stop
-                if seq.is_finished:  # finished by length on this very token
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-        if (seq.status == SequenceStatus.FINISHED_STOPPED and seq.seq_id not in req.stop_reason
-                and seq.output_token_ids):
-            last = seq.output_token_ids[-1]
-            eos = last == self.eos_token_id and not params.ignore_eos
-            if not eos and last in params.stop_token_ids:
-                req.stop_reason[seq.seq_id] = last
-        if seq.is_finished and seq.finish_time is None:
-            seq.finish_time = now
-
-    def _output(self, req: _Request) -> RequestOutput:
-        """The request's outputs so far (cumulative, as vLLM's default output kind).
-
-        While a sequence runs, the text holds back the last len(longest stop string) - 1
-        characters (as vLLM's detokenizer does): a stop string still being completed may
-        cut them, and a streamed prefix must never show text the final output drops."""
-        params = req.params
-        hold = (max(map(len, params.stop)) - 1
-                if params.stop and not params.include_stop_str_in_output else 0)
-        completions = []
-        for i, seq in enumerate(sorted(req.seqs, key=lambda s: s.child_index)):
-            detok = req.detokenizers.get(seq.seq_id)
-            text = detok.text if detok is not None else ""
-            if seq.seq_id in req.stop_text_len:
-                text = text[:req.stop_text_len[seq.seq_id]]
-            elif hold and not seq.is_finished:
-                text = text[:max(0, len(text) - hold)]
-            lps = req.logprobs.get(seq.seq_id) if params.logprobs is not None else None
-            if params.logprobs is not None:
-                lps = lps or []
-            cumulative = (None if lps is None else float(sum(
-                d[t].logprob for d, t in zip(lps, seq.output_token_ids))))
-            completions.append(CompletionOutput(
-                i, text, list(seq.output_token_ids), cumulative, lps,
-                seq.status.finish_reason, req.stop_reason.get(seq.seq_id)))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                             req.prompt_logprobs, completions, req.finished, req.metrics,
-                             req.seqs[0].num_cached_tokens)
+        """The step's last part: text, stop strings, times, outputs (output_processor.py)."""
+        return postprocess(self, out, sampled, now)
 
     def stats(self) -> dict:
         kv = self.kv_cache_manager

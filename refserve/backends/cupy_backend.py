@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from refserve.backends import cuda_launch as cl
-from refserve.backends import device_sampling
+import refserve.backends.cuda_launch as cl
+import refserve.backends.device_sampling as device_sampling
 from refserve.backends.base import Backend
 
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}

@@ -159,3 +159,19 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         else:
             out[name] = np.ascontiguousarray(raw, dtype=np.float32)
     return out
+
+
+def resolve_model_path(model: str | None, progress: bool = True) -> Path:
+    if model is None:
+        from refserve.models.default_model import ensure_default_model
+        return ensure_default_model(progress=progress)
+    return Path(model).expanduser()
+
+
+def load_tokenizer(path: Path):
+    """The HF fast tokenizer of a model folder, or None when the folder has none (then only
+    token-id prompts are accepted). transformers works without torch for this."""
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))

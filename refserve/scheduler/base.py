@@ -35,8 +35,8 @@ from __future__ import annotations
 import collections
 import itertools
 
-from refserve.capacity import blocks_for_tokens
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
+from refserve.scheduler.fits import append_tokens, check_fits
 from refserve.scheduler.output import SampledTokens, ScheduledSequence, SchedulerOutput
 from refserve.sequence import Sequence, SequenceStatus
 
@@ -122,25 +122,11 @@ class SchedulerBase:
         self.waiting.append(seq)
 
     def check_fits(self, num_prompt_tokens: int, num_seats: int = 1) -> None:
-        """Raise ValueError if a prompt could never run: empty, longer than max_model_len,
-        more blocks than the whole pool (prompt + the first sampled token), or more seats
-        (SamplingParams.n) than max_num_seqs. Changes nothing; the engine calls it to vet a
-        request before queuing anything."""
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        if num_prompt_tokens > self.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
+        """Raise ValueError if a prompt could never run here (see `fits.check_fits`)."""
         kv = self.kv_cache_manager
-        needed = blocks_for_tokens(num_prompt_tokens + 1, kv.block_size)
-        if needed > kv.num_blocks:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens and needs {needed} KV "
-                             f"blocks, more than the whole KV pool: the whole pool is "
-                             f"{kv.num_blocks} blocks of {kv.block_size} tokens; give it more "
-                             "memory (kv_cache_memory / num_gpu_blocks)")
-        if num_seats > self.max_num_seqs:
-            raise ValueError(f"SamplingParams.n={num_seats} is more than max_num_seqs="
-                             f"{self.max_num_seqs} batch seats")
+        check_fits(num_prompt_tokens, num_seats, max_model_len=self.max_model_len,
+                   max_num_seqs=self.max_num_seqs, num_blocks=kv.num_blocks,
+                   block_size=kv.block_size)
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Stop a waiting, preempted or running sequence now; its blocks are freed at once.
@@ -280,7 +266,8 @@ class SchedulerBase:
                 status = None
                 if row.samples:
                     seq.spec_token_ids.clear()
-                    status = self._append_tokens(seq, token_ids[seq.seq_id])
+                    status = append_tokens(seq, token_ids[seq.seq_id], self.eos_token_id,
+                                           self.max_model_len)
                     seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
                     if row.num_logits > 1:
                         # Speculative rollback: blocks holding only rejected drafts' slots
@@ -291,25 +278,6 @@ class SchedulerBase:
                     self._retire(seq, status)
                     retired.append(seq)
         return retired
-
-    def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> SequenceStatus | None:
-        """Append sampled tokens until one of them finishes the sequence.
-
-        Stop rules, checked after each token (a stop token wins over a length limit):
-          FINISHED_STOPPED  the token is in stop_token_ids, or is eos and not ignore_eos
-          FINISHED_LENGTH   num_output_tokens >= max_tokens or num_tokens >= max_model_len
-        """
-        params = seq.sampling_params
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        for token_id in token_ids:
-            seq.append_token(token_id)
-            if token_id in params.stop_token_ids or (
-                    token_id == self.eos_token_id and not params.ignore_eos):
-                return SequenceStatus.FINISHED_STOPPED
-            if (seq.num_output_tokens >= max_tokens
-                    or seq.num_tokens >= self.max_model_len):
-                return SequenceStatus.FINISHED_LENGTH
-        return None
 
     # ---- building blocks of schedule() --------------------------------------------------
 
