@@ -28,8 +28,32 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 
+class SpecRatios:
+    """The speculative-decoding ratios of a request or a run, from its counters
+    (num_spec_proposed / _accepted / _verify_steps, num_target_passes, num_output_tokens):
+
+        acceptance rate α       accepted / proposed
+        mean accepted length    (accepted + verify steps) / verify steps   (tokens per verify)
+        target passes / token   passes / output tokens   (1.0 without speculation)
+    """
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return spec_acceptance_rate(self.num_spec_proposed, self.num_spec_accepted)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return spec_mean_accepted_length(self.num_spec_verify_steps, self.num_spec_accepted)
+
+    @property
+    def target_passes_per_output_token(self) -> float | None:
+        return (self.num_target_passes / self.num_output_tokens
+                if self.num_output_tokens else None)
+
+
+
 @dataclass
-class RequestMetrics:
+class RequestMetrics(SpecRatios):
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -45,19 +69,6 @@ class RequestMetrics:
     num_spec_verify_steps: int = 0  # ... of them verify steps (drafts were scored)
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return spec_acceptance_rate(self.num_spec_proposed, self.num_spec_accepted)
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        return spec_mean_accepted_length(self.num_spec_verify_steps, self.num_spec_accepted)
-
-    @property
-    def target_passes_per_output_token(self) -> float | None:
-        return (self.num_target_passes / self.num_output_tokens
-                if self.num_output_tokens else None)
 
     @property
     def ttft(self) -> float | None:
@@ -96,7 +107,7 @@ def percentile(values, q: float) -> float | None:
 
 
 @dataclass
-class RunSummary:
+class RunSummary(SpecRatios):
     num_requests: int
     num_output_tokens: int
     num_prompt_tokens: int
@@ -117,19 +128,6 @@ class RunSummary:
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
     speculative_method: str | None = None  # set by LLM.generate when the engine speculates
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return spec_acceptance_rate(self.num_spec_proposed, self.num_spec_accepted)
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        return spec_mean_accepted_length(self.num_spec_verify_steps, self.num_spec_accepted)
-
-    @property
-    def target_passes_per_output_token(self) -> float | None:
-        return (self.num_target_passes / self.num_output_tokens
-                if self.num_output_tokens else None)
 
     @property
     def output_tokens_per_s(self) -> float:
