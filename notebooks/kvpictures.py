@@ -97,9 +97,8 @@ def draw_kv(manager, seqs, ax=None, title: str = "", per_row: int = 16):
     ax.set_ylim(-0.2, top + 0.2)
     ax.set_aspect("equal")
     ax.axis("off")
-    free = manager.num_free_blocks
-    ax.set_title(f"{title}\n{manager.num_blocks - free} held, {free} free "
-                 f"({len(manager.prefix_cache)} cached)", fontsize=9)
+    ax.set_title(f"{title}\n{manager.num_held_blocks} held, {manager.num_evictable_blocks} "
+                 f"evictable (cached), {manager.num_free_blocks} free", fontsize=9)
     return ax
 
 

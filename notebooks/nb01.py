@@ -158,9 +158,9 @@ before any cached block is evicted (least recently used).
     ("code", r"""
 before = snapshot(kv, [a, b, c])
 for seq in (a, b, c):
-    kv.free(seq)
+    kv.release(seq)
 kv.check_invariants()
-print("free queue, head (reused first) to tail:", list(kv.allocator.free_block_ids()))
+print("free queue, head (reused first) to tail:", list(kv.allocator.available_block_ids()))
 e = Sequence("E", a.token_ids[:8] + [41], params, seq_id=4)
 print("a new request E with A's prefix still hits:", kv.get_computed_blocks(e))
 before_after(before, snapshot(kv, []),

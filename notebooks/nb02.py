@@ -4,20 +4,21 @@ CELLS = [
     ("md", r"""
 # 02 · One scheduler iteration, stage by stage
 
-A serving engine repeats one step. `LLMEngine.step()` in `refserve/engine.py` is six visible
-stages (seven when speculating: a proposal stage first); this notebook runs them **one cell
-each, with exactly the calls `step()` makes**, on the
-embedded SmolLM2-135M and a deliberately tiny KV pool, so that admission, chunked prefill,
-retirement and preemption all happen within a dozen steps.
+A serving engine repeats one step. `LLMEngine.step()` in `refserve/engine.py` is eight public
+stages, and nothing else; this notebook runs them **one cell each, with exactly the calls
+`step()` makes**, on the embedded SmolLM2-135M and a deliberately tiny KV pool, so that
+admission, chunked prefill, retirement and preemption all happen within a dozen steps. Each
+stage hands its result to the next as a value:
 
 ```
-engine.propose()                         # speculative only: drafts into seq.spec_token_ids
-out    = scheduler.schedule()            # who computes which tokens: admit / advance / preempt
-inputs = runner.prepare(out)             # the flat batch + attention metadata
-runner.copy_blocks(out.block_copies)     # copy-on-write, before anyone writes
-logits = runner.forward(inputs)          # per layer: write_kv, paged_attention
-tokens = engine.sample(out, logits)      # one token per sampling row
-scheduler.update(out, tokens)            # append, retire, free, hash full blocks
+proposals = engine.propose()                       # speculative drafts ({} without)
+out       = scheduler.schedule(proposals)          # who computes which tokens: admit / advance / preempt
+inputs    = runner.prepare(out)                    # the flat batch + attention metadata
+runner.copy_blocks(out.block_copies)               # copy-on-write, before anyone writes
+logits    = runner.forward(inputs)                 # per layer: write_kv, paged_attention
+sampled   = engine.sample(out, logits, proposals)  # one token per sampling row
+update    = scheduler.update(out, sampled)         # append under the stop rules, retire, release
+outputs   = engine.finish_step(out, sampled, update)   # metrics, times, RequestOutputs
 ```
 
 * WARMUP.md §1 (the step), §6 (iteration- vs request-level batching), §7 (chunked prefill,
@@ -71,17 +72,19 @@ print("waiting:", [s.seq_id for s in scheduler.waiting], " running:", scheduler.
     ("md", r"""
 ## Iteration 0, one stage per cell
 
-### Stage 0: `engine.propose()`
+### Stage 0: `proposals = engine.propose()`
 
-With `speculative_config` set, this is where the proposer (n-gram or draft model) writes draft
-tokens into each decoding sequence's `spec_token_ids` (notebook 03). This engine does not
-speculate, so it proposes nothing; `step()` calls it all the same.
+With `speculative_config` set, this is where the proposer (n-gram or draft model) drafts
+tokens for each decoding sequence (notebook 03). The drafts are a value handed to the next
+stages, never stored on a sequence (`refserve/scheduler/drafts.py` tells their whole life).
+This engine does not speculate, so it proposes nothing; `step()` calls it all the same.
 """),
     ("code", r"""
-print("proposals:", engine.propose())
+proposals = engine.propose()
+print("proposals:", proposals)
 """),
     ("md", r"""
-### Stage 1: `out = scheduler.schedule()`
+### Stage 1: `out = scheduler.schedule(proposals)`
 
 Continuous batching first ADVANCES the running sequences (none yet), then ADMITS waiting ones
 first-come-first-served while a seat, token budget and KV blocks are left. The budget is 16
@@ -91,19 +94,18 @@ prefill** (`kind = chunk`: it does not reach the end of its prompt, so it sample
 """),
     ("code", r"""
 pool_before = snapshot(kv, SEQS)
-out = scheduler.schedule()
+out = scheduler.schedule(proposals)
 print(out)
 """),
     ("md", r"""
-`step()` also keeps one number between stages 1 and 2: the KV pool is at its fullest right
-after `schedule()` (this step's blocks are allocated, nothing is retired yet), so that is where
-the peak is measured (over the engine's life, and since the last `generate` reset).
+The last line counts the pool in three words: **held** blocks (some block table holds them),
+**cached** ones (evictable: nobody holds them, but their KV is still findable by the prefix
+cache) and **free** ones. The pool is at its fullest right after `schedule()` (this step's
+blocks are allocated, nothing is retired yet); the KV-cache manager records that peak itself,
+inside `allocate_slots`.
 """),
     ("code", r"""
-in_use = kv.num_blocks - kv.num_free_blocks
-engine.kv_blocks_peak = max(engine.kv_blocks_peak, in_use)
-engine.kv_blocks_peak_since_reset = max(engine.kv_blocks_peak_since_reset, in_use)
-print("KV blocks at peak so far:", engine.kv_blocks_peak, "of", kv.num_blocks)
+print("KV blocks held at peak so far:", kv.num_held_blocks_peak, "of", kv.num_blocks)
 """),
     ("md", r"""
 ### Stage 2: `inputs = runner.prepare(out)`
@@ -144,39 +146,47 @@ print(f"logits {logits.shape} in {time.perf_counter() - t0:.2f} s; greedy choice
       [tok.decode([int(i)]) for i in logits.argmax(axis=-1)])
 """),
     ("md", r"""
-### Stage 5: `tokens = engine.sample(out, logits)`
+### Stage 5: `sampled = engine.sample(out, logits, proposals)`
 
 One token per sampling row, with each request's own sampling parameters and seeded generator
-(greedy here). Nothing in the engine has changed yet: had any stage so far failed, the next
-`schedule()` would redo the same work.
+(greedy here); a speculative verify row would get its accepted drafts plus one token instead.
+Nothing in the engine has changed yet: had any stage so far failed, the next `schedule()`
+would redo the same work.
 """),
     ("code", r"""
-tokens = engine.sample(out, logits)
-print("seq_id -> sampled tokens:", tokens.token_ids)
+sampled = engine.sample(out, logits, proposals)
+print("seq_id -> sampled tokens:", sampled.token_ids)
 """),
     ("md", r"""
-### Stage 6: `scheduler.update(out, tokens)`
+### Stage 6: `update = scheduler.update(out, sampled)`
 
-Now the step is applied: `num_computed_tokens` advances by the tokens computed, sampled tokens
-are appended, full computed blocks are hashed for the prefix cache, finished sequences are
-RETIRED and their blocks freed. After the stages `step()` does its own bookkeeping for the
-caller (`engine._count_passes`: per-request target passes and speculative counts;
-`engine._postprocess`: text by incremental detokenization, stop strings, times) and returns one
-`RequestOutput` per request that got tokens.
+Now the step is applied, and this is the ONLY place a sequence finishes:
+`num_computed_tokens` advances by the tokens computed, sampled tokens are appended one by one
+under the stop rules (EOS, stop ids, stop strings, lengths: `refserve/scheduler/stop_rules.py`),
+full computed blocks are hashed for the prefix cache, finished sequences are RETIRED and their
+blocks released. The `StepUpdate` it returns records what it decided.
 """),
     ("code", r"""
-retired = scheduler.update(out, tokens)
-engine._count_passes(out, tokens)
-outputs = engine._postprocess(out, tokens, time.perf_counter())
+update = scheduler.update(out, sampled)
 for seq in SEQS:
     print(f"seq {seq.seq_id} {seq.request_id:>5}: {seq.status.value:<8} computed "
           f"{seq.num_computed_tokens:>2} / {seq.num_tokens:>2} tokens")
-print("retired:", retired, "| outputs:", [(o.request_id, o.outputs[0].text) for o in outputs])
+print("appended:", update.appended, "| retired:", update.retired)
 before_after(pool_before, snapshot(kv, SEQS), ("before iteration 0", "after iteration 0"))
 plt.show()
 """),
     ("md", r"""
-## The next iterations: the same six calls in a function
+### Stage 7: `outputs = engine.finish_step(out, sampled, update)`
+
+Only reporting is left: per-request target passes, first-token and finish times, the text
+as the stop rules cut it, and one `RequestOutput` per request that got tokens.
+"""),
+    ("code", r"""
+outputs = engine.finish_step(out, sampled, update)
+print([(o.request_id, o.outputs[0].text, o.finished) for o in outputs])
+"""),
+    ("md", r"""
+## The next iterations: the same eight calls in a function
 
 `iteration()` is `engine.step()` written out: the same calls in the same order. Each line of
 the log says who was **admitted**, who **advanced** (was computed this step), who **retired**
@@ -192,34 +202,28 @@ and latency.
     ("code", r"""
 def iteration(engine):
     # LLMEngine.step(), stage by stage (timing and error wrapping left out).
-    scheduler, runner, kv = engine.scheduler, engine.runner, engine.kv_cache_manager
-    engine.propose()
-    out = scheduler.schedule()
-    if not out.scheduled:
-        return out, [], []
-    in_use = kv.num_blocks - kv.num_free_blocks
-    engine.kv_blocks_peak = max(engine.kv_blocks_peak, in_use)
-    engine.kv_blocks_peak_since_reset = max(engine.kv_blocks_peak_since_reset, in_use)
+    scheduler, runner = engine.scheduler, engine.runner
+    proposals = engine.propose()
+    out = scheduler.schedule(proposals)
     inputs = runner.prepare(out)
     runner.copy_blocks(out.block_copies)
     logits = runner.forward(inputs)
-    tokens = engine.sample(out, logits)
-    retired = scheduler.update(out, tokens)
-    engine._count_passes(out, tokens)
-    outputs = engine._postprocess(out, tokens, time.perf_counter())
-    return out, retired, outputs
+    sampled = engine.sample(out, logits, proposals)
+    update = scheduler.update(out, sampled)
+    outputs = engine.finish_step(out, sampled, update)
+    return out, update.retired, outputs
 
 
 def log_line(out, retired):
     advanced = [r.seq.seq_id for r in out.scheduled if r.seq.seq_id not in out.admitted]
     return (f"step {out.step:>2}: admitted {out.admitted!s:<7} advanced {advanced!s:<10} "
             f"retired {[s.seq_id for s in retired]!s:<7} preempted {out.preempted!s:<5} "
-            f"tokens {out.num_batched_tokens:>2}  free blocks {out.num_free_blocks}")
+            f"tokens {out.num_batched_tokens:>2}  blocks held {out.num_held_blocks}")
 
 
-print(log_line(out, retired))           # iteration 0, from the cells above
+print(log_line(out, update.retired))    # iteration 0, from the cells above
 preemption = None
-while engine.has_unfinished() and scheduler.num_steps < 9:
+while engine.has_unfinished_requests() and scheduler.num_steps < 9:
     before = snapshot(kv, SEQS)
     out, retired, outputs = iteration(engine)
     print(log_line(out, retired))
@@ -241,7 +245,7 @@ From here the engine's own `step()` finishes the run. It returns the same kind o
 if nothing had changed hands.
 """),
     ("code", r"""
-while engine.has_unfinished():
+while engine.has_unfinished_requests():
     outputs = engine.step()
     for o in outputs:
         print(f"step {scheduler.num_steps - 1:>2}: {type(o).__name__}({o.request_id!r}, "
@@ -267,7 +271,7 @@ def slot_steps(engine, workload):
         engine.add_request(request_id, ids, SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     s, rows, texts_out = engine.scheduler, [], {}
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         used, wasted = s.slot_steps_used, s.slot_steps_wasted
         for o in engine.step():
             if o.finished:

@@ -109,7 +109,7 @@ def replay(max_num_seqs):
         for o in engine.step():
             if o.finished:
                 outputs[o.request_id] = o
-        held.append(kv.num_blocks - kv.num_free_blocks)
+        held.append(kv.num_held_blocks)
         if engine.scheduler.num_preemptions > before:
             preempted_at.append(len(held) - 1)
     return engine, held, preempted_at, outputs

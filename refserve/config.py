@@ -33,7 +33,7 @@ import dataclasses
 import warnings
 from dataclasses import InitVar, dataclass
 
-from refserve.spec_decode.config import SpeculativeConfig
+from refserve.speculative_config import SpeculativeConfig
 
 BACKENDS = ("auto", "numpy", "cupy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -123,5 +123,5 @@ class EngineConfig:
                              "must be in (0, 1]")
         if self.speculative_config is not None:
             # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}), checked
-            # and turned into a SpeculativeConfig (refserve/spec_decode/config.py).
+            # and turned into a SpeculativeConfig (refserve/speculative_config.py).
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)

@@ -53,13 +53,14 @@ class Grading:
 EXERCISES: dict[str, Grading] = {
     "blocks_for_tokens": Grading(("capacity",), ("tests/test_capacity.py",)),
     "append_rule": Grading(("block_table",), ("tests/test_block_table.py",)),
-    "allocator_free": Grading(("allocator",), ("tests/test_block_allocator.py",)),
+    "allocator_decref": Grading(("allocator",), ("tests/test_block_allocator.py",)),
     "copy_on_write": Grading(("cow",), ("tests/test_prefix_cache.py",)),
     "prefix_cache_lookup": Grading(("prefix_cache", "cow"), ("tests/test_prefix_cache.py",)),
     "paged_attention_gather": Grading(("paged_attention",), ("tests/test_paged_attention.py",)),
     "scheduler_admit": Grading(("scheduler", "chunked_prefill", "preemption"),
                                ("tests/test_scheduler.py",)),
     "scheduler_preempt": Grading(("preemption", "scheduler"), ("tests/test_scheduler.py",)),
+    "stop_rules": Grading(("scheduler",), ("tests/test_stop_rules.py",)),
     "accept_residual": Grading(("spec_accept",), ("tests/test_spec_rejection_sampler.py",)),
     "ngram_proposal": Grading(("spec_propose",), ("tests/test_spec_ngram.py",)),
 }

@@ -12,6 +12,9 @@ a short window that starts a few tokens back (`prefix_offset`):
 
 Tokens whose text is still incomplete stay unread until a later token completes them.
 Special tokens (EOS, chat markers) decode to nothing (`skip_special_tokens=True`).
+
+The stop rules (refserve/scheduler/stop_rules.py) call `update` after every appended token,
+so `text` grows token by token and a stop string is found at the token that completes it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix_offset = 0  # first token of the decode window
         self.read_offset = 0  # tokens before this one are in `text`
+
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent detokenizer in the same state (a forked child's text)."""
+        other = IncrementalDetokenizer(self.tokenizer)
+        other.text, other.prefix_offset, other.read_offset = (
+            self.text, self.prefix_offset, self.read_offset)
+        return other
 
     def update(self, token_ids: list[int]) -> str:
         """Bring `text` up to date with `token_ids` (the whole output so far, of which only

@@ -2,16 +2,18 @@
 abort_request / has_unfinished_requests. (The offline `LLM` API is in refserve/llm.py;
 the outputs are refserve/outputs.py.)
 
-One `step()` is one iteration of continuous batching, six visible stages (seven when
-speculating: the proposal stage first):
+One `step()` is one iteration of continuous batching, eight public stages, each a call a
+notebook can make in its own cell (values flow from one to the next; nothing is stashed):
 
-    engine.propose()                       # speculative only: drafts into seq.spec_token_ids
-    out    = scheduler.schedule()          # admit / advance / preempt, under the budgets
-    inputs = runner.prepare(out)           # flat batch + attention metadata (host scalars)
-    runner.copy_blocks(out.block_copies)   # copy-on-write before anyone writes
-    logits = runner.forward(inputs)        # per layer: write_kv, paged_attention
-    tokens = engine.sample(out, logits)    # one token per sampling row; 1..k+1 per verify row
-    scheduler.update(out, tokens)          # append, fork, hash full blocks, retire, free
+    proposals = engine.propose()                      # speculative drafts ({} without)
+    out       = scheduler.schedule(proposals)         # admit / advance / preempt
+    inputs    = runner.prepare(out)                   # flat batch + attention metadata
+    runner.copy_blocks(out.block_copies)              # copy-on-write before anyone writes
+    logits    = runner.forward(inputs)                # per layer: write_kv, paged_attention
+    sampled   = engine.sample(out, logits, proposals) # a token per row; 1..k+1 per verify
+    update    = scheduler.update(out, sampled)        # append under the stop rules, roll
+                                                      # back, hash, retire, release
+    outputs   = engine.finish_step(out, sampled, update)   # metrics, times, RequestOutputs
 
 The offline API around it (`LLM`, vLLM's names) is refserve/llm.py.
 """
@@ -27,22 +29,30 @@ import numpy as np
 import refserve.capacity as capacity
 from refserve.backends import get_backend
 from refserve.config import EngineConfig
+from refserve.detokenizer import IncrementalDetokenizer
 from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
 from refserve.metrics import RequestMetrics
 from refserve.model_runner import ModelRunner
 from refserve.models.loader import load_tokenizer, resolve_model_path
-from refserve.output_processor import RequestState, postprocess
+from refserve.output_processor import RequestState, make_outputs
 from refserve.outputs import RequestOutput
 from refserve.prompt_logprobs import score_prompt
 from refserve.sampling import Sampler, SamplingParams, make_generator
-from refserve.scheduler import SampledTokens, Scheduler, SchedulerOutput, StaticScheduler
+from refserve.scheduler import (
+    SampledTokens,
+    Scheduler,
+    SchedulerOutput,
+    StaticScheduler,
+    StepUpdate,
+)
+from refserve.scheduler.drafts import Proposals, verify_inputs
 from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
-from refserve.spec_decode.draft_model import DraftModelProposer, load_draft_model
-from refserve.spec_decode.engine_stages import SpeculationStages
-from refserve.spec_decode.proposer import NgramProposer, Proposal
-from refserve.spec_decode.verify import verify
+from refserve.speculation.draft_model import DraftModelProposer, load_draft_model
+from refserve.speculation.proposer import NgramProposer
+from refserve.speculation.speculator import Speculator
+from refserve.speculation.verify import verify
 
 
 class EngineStepError(RuntimeError):
@@ -55,7 +65,7 @@ class EngineStepError(RuntimeError):
         self.request_ids = request_ids
 
 
-class LLMEngine(SpeculationStages):
+class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, progress: bool = True,
                  **kwargs) -> None:
         from refserve.models.loader import load_model  # lazily: numpy-only until here
@@ -137,23 +147,21 @@ class LLMEngine(SpeculationStages):
         self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size,
                                   enforce_eager=config.enforce_eager)
         self.sampler = Sampler()
-        self.proposer = None
+        # Speculative decoding: the propose stage (None: every row samples one token).
+        self.speculator = None
         if spec is not None:
-            self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-                             if spec.method == "ngram" else
-                             DraftModelProposer(draft_model, self.backend, num_blocks,
-                                                self.block_size, draft_cost))
-        self.adaptive = AdaptiveSpeculation(spec.k if spec else 0, draft_cost,
-                                            enabled=spec is not None and spec.adaptive)
-        self._proposals: dict[int, Proposal] = {}  # this step's drafts, by seq_id
+            proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                        if spec.method == "ngram" else
+                        DraftModelProposer(draft_model, self.backend, num_blocks,
+                                           self.block_size, draft_cost))
+            self.speculator = Speculator(
+                proposer, AdaptiveSpeculation(spec.k, draft_cost, enabled=spec.adaptive),
+                self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         # vLLM's engine-level seed: an unseeded request gets its seed from this stream, so
         # the same engine seed and the same requests give the same outputs.
         self._seed_stream = np.random.default_rng(config.seed)
-        self._new_logprobs: dict = {}  # this step's sampled logprobs, by seq_id
-        self.kv_blocks_peak = 0             # since start-up
-        self.kv_blocks_peak_since_reset = 0  # since reset_kv_blocks_peak (one generate call)
         self.time_in_step = 0.0  # seconds inside step(); runner.time_in_forward is the model
         if progress:
             tokens = num_blocks * self.block_size
@@ -249,6 +257,9 @@ class LLMEngine(SpeculationStages):
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = score_prompt(self, token_ids, params.prompt_logprobs)
         seq = Sequence(request_id, token_ids, params, now)
+        # The stop rules grow the text token by token (scheduler/stop_rules.py).
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add_sequence(seq)  # gives the sequence its id
         req.seqs.append(seq)
         req.generators[seq.seq_id] = make_generator(seed, 0)
@@ -281,72 +292,55 @@ class LLMEngine(SpeculationStages):
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
-        """One iteration of continuous batching, as six visible stages (a notebook can run
-        each one in its own cell, exactly like this), plus the proposal stage when
-        speculating:
-
-            engine.propose()                       drafts into seq.spec_token_ids
-            out    = scheduler.schedule()          who computes which tokens
-            inputs = runner.prepare(out)           the flat batch + attention metadata
-            runner.copy_blocks(out.block_copies)   copy-on-write before anyone writes
-            logits = runner.forward(inputs)        per layer: write_kv, paged_attention
-            tokens = engine.sample(out, logits)    one token per sampling row, or the
-                                                   accept / residual step of a verify row
-            scheduler.update(out, tokens)          append, fork, roll back, retire, free
+        """One iteration of continuous batching: exactly the eight public stages of the
+        module docstring, in order (a notebook runs each one in its own cell).
 
         If any stage before `update` fails, nothing of the step has been applied: the
-        scheduler redoes the same work on the next step (or the failing request is aborted)
-        and seeded requests draw the same random numbers again.
+        engine raises EngineStepError naming the requests, the scheduler redoes the same
+        work on the next step (or the failing request is aborted), and seeded requests draw
+        the same random numbers again.
         """
         t_step = time.perf_counter()
         try:
-            self.propose()
+            proposals = self.propose()
         except Exception as e:
-            # Speculation is optional: forget the drafts, leave every sequence as it was.
-            for seq in self.scheduler.running:
-                seq.spec_token_ids.clear()
+            # Speculation is optional, and drafts are values: nothing is left behind.
             ids = sorted({seq.request_id for seq in self.scheduler.running})
             raise EngineStepError(f"the proposal stage failed for request(s) {ids}: {e!r}. "
                                   "Nothing was scheduled; call step() again or abort these "
                                   "requests.", ids) from e
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            if self.scheduler.has_unfinished():
-                # Cannot happen while add_request keeps every prompt within the pool; fail
-                # loudly rather than let a caller's `while has_unfinished()` spin forever.
-                raise RuntimeError(
-                    f"the scheduler could schedule nothing with {self.scheduler.num_waiting} "
-                    f"waiting and {self.scheduler.num_running} running sequences "
-                    f"({self.kv_cache_manager.num_free_blocks} free blocks)")
-            return []
-        # The pool is at its fullest now: this step's blocks are allocated and nothing has
-        # been retired yet (retiring frees blocks in update()).
-        kv = self.kv_cache_manager
-        in_use = kv.num_blocks - kv.num_free_blocks
-        self.kv_blocks_peak = max(self.kv_blocks_peak, in_use)
-        self.kv_blocks_peak_since_reset = max(self.kv_blocks_peak_since_reset, in_use)
+        out = self.scheduler.schedule(proposals)
         try:
             inputs = self.runner.prepare(out)
             self.runner.copy_blocks(out.block_copies)
             logits = self.runner.forward(inputs)
-            sampled = self.sample(out, logits)
+            sampled = self.sample(out, logits, proposals)
         except Exception as e:
             ids = sorted({s.seq.request_id for s in out.scheduled})
             raise EngineStepError(
                 f"step {out.step} failed in the model forward or sampling for request(s) "
                 f"{ids}: {e!r}. The KV pool is consistent; call step() again or abort "
                 "these requests.", ids) from e
-        self.scheduler.update(out, sampled)  # retired sequences' blocks are freed here
-        self._count_passes(out, sampled)
-        outputs = self._postprocess(out, sampled, time.perf_counter())
+        update = self.scheduler.update(out, sampled)
+        outputs = self.finish_step(out, sampled, update)
         self.time_in_step += time.perf_counter() - t_step
         return outputs
 
-    def sample(self, out: SchedulerOutput, logits: np.ndarray) -> SampledTokens:
+    def propose(self) -> Proposals:
+        """The proposal stage: this step's drafts by seq_id, for the running sequences that
+        may speculate (speculation/speculator.py); {} without speculative decoding. The
+        drafts are values: they live until this step's update (scheduler/drafts.py)."""
+        if self.speculator is None:
+            return {}
+        return self.speculator.propose(self.scheduler.running)
+
+    def sample(self, out: SchedulerOutput, logits: np.ndarray,
+               proposals: Proposals | None = None) -> SampledTokens:
         """The sampling stage: one token per sampling row of `out`, from its logits row;
         1..k+1 tokens per speculative verify row (num_logits = k + 1), from its k + 1 logits
-        rows by the accept / residual-resample step (`spec_decode/verify.py`, which states the
-        order in which a verify row draws its uniforms from the sequence's generator).
+        rows by the accept / residual-resample step (speculation/verify.py, which states the
+        order in which a verify row draws its uniforms from the sequence's generator), with
+        the drafts' q from `proposals` (the propose stage's result).
 
         A parent of a parallel-sampling request (n > 1) that samples its first token also
         draws the first token of each child 1..n-1 from the same logits row, each with the
@@ -355,18 +349,18 @@ class LLMEngine(SpeculationStages):
         raises, the generators it advanced are put back where they were.
         """
         rows = [s for s in out.scheduled if s.num_logits > 0]
-        self._new_logprobs = {}
         first = np.cumsum([0] + [s.num_logits for s in rows])  # row i: logits[first[i]:...]
         assert first[-1] == len(logits), f"{len(logits)} logits rows for {first[-1]} needed"
         reqs = [self.requests[s.seq.request_id] for s in rows]
         generators = [r.generators[s.seq.seq_id] for s, r in zip(rows, reqs)]
         states = [g.bit_generator.state for g in generators]
-        plain = [i for i, s in enumerate(rows) if s.num_logits == 1]
-        verifying = [i for i, s in enumerate(rows) if s.num_logits > 1]
+        plain = [i for i, s in enumerate(rows) if not s.draft_token_ids]
+        verifying = [i for i, s in enumerate(rows) if s.draft_token_ids]
         result = SampledTokens()
         try:
             tokens = self._sample_rows(logits[first[plain]], [rows[i].seq for i in plain],
-                                       [generators[i] for i in plain]) if plain else []
+                                       [generators[i] for i in plain],
+                                       result.logprobs) if plain else []
             for i, token in zip(plain, tokens):
                 s, req = rows[i], reqs[i]
                 result.token_ids[s.seq.seq_id] = [token]
@@ -376,16 +370,13 @@ class LLMEngine(SpeculationStages):
                         gen = make_generator(req.seed, child)
                         result.generators[(s.seq.seq_id, child)] = gen
                         firsts += self._sample_rows(logits[first[i]:first[i] + 1],
-                                                    [s.seq], [gen], [(s.seq.seq_id, child)])
+                                                    [s.seq], [gen], result.logprobs,
+                                                    [(s.seq.seq_id, child)])
                     result.fork_token_ids[s.seq.seq_id] = firsts
             if verifying:
-                drafts = [rows[i].seq.spec_token_ids for i in verifying]
-                for i, d in zip(verifying, drafts):
-                    assert len(d) == rows[i].num_logits - 1, "a verify row is k drafts + 1"
+                drafts, q = zip(*(verify_inputs(rows[i], proposals or {}) for i in verifying))
                 emitted, _ = verify(
-                    [logits[first[i]:first[i + 1]] for i in verifying], drafts,
-                    [self._proposals[rows[i].seq.seq_id].truncated(len(d)).draft_probs
-                     for i, d in zip(verifying, drafts)],
+                    [logits[first[i]:first[i + 1]] for i in verifying], drafts, q,
                     [rows[i].seq.sampling_params for i in verifying],
                     [generators[i] for i in verifying], self.backend)
                 for i, toks in zip(verifying, emitted):
@@ -396,14 +387,23 @@ class LLMEngine(SpeculationStages):
             raise
         return result
 
-    # ------------------------------------------------------------------ speculation
+    def finish_step(self, out: SchedulerOutput, sampled: SampledTokens,
+                    update: StepUpdate) -> list[RequestOutput]:
+        """The last stage, after `scheduler.update` decided everything: the adaptive rule
+        learns from this step's verify rows, and every request that got tokens gets its
+        cumulative RequestOutput (output_processor.py: metrics, times, text as the stop
+        rules cut it); finished requests are forgotten."""
+        if self.speculator is not None:
+            self.speculator.observe(update)
+        return make_outputs(self.requests, out, sampled, update, time.perf_counter())
+
     def _sample_rows(self, logits: np.ndarray, seqs: list[Sequence],
-                     generators: list[np.random.Generator], keys: list | None = None
-                     ) -> list[int]:
+                     generators: list[np.random.Generator], logprobs_out: dict,
+                     keys: list | None = None) -> list[int]:
         """The Sampler on one logits row per sequence, given what its logits processors
         read (each sequence's prompt and output ids, EOS: min_tokens and penalties). Rows
-        asking for logprobs leave theirs in `self._new_logprobs[key]` (key: seq_id, or
-        (parent seq_id, child index) for a child's first token) for `_postprocess`."""
+        asking for logprobs put theirs in `logprobs_out[key]` (key: seq_id, or (parent
+        seq_id, child index) for a child's first token)."""
         params = [s.sampling_params for s in seqs]
         context = dict(prompt_token_ids=[s.prompt_token_ids for s in seqs],
                        output_token_ids=[s.output_token_ids for s in seqs],
@@ -414,13 +414,23 @@ class LLMEngine(SpeculationStages):
                                                 decode=self.decode_token, **context)
         for key, lp in zip(keys or [s.seq_id for s in seqs], out.logprobs):
             if lp is not None:
-                self._new_logprobs[key] = lp
+                logprobs_out[key] = lp
         return out.token_ids
 
-    def _postprocess(self, out: SchedulerOutput, sampled: SampledTokens,
-                     now: float) -> list[RequestOutput]:
-        """The step's last part: text, stop strings, times, outputs (output_processor.py)."""
-        return postprocess(self, out, sampled, now)
+    @property
+    def kv_blocks_peak(self) -> int:
+        """The most KV blocks held at once since start-up."""
+        return self.kv_cache_manager.num_held_blocks_peak
+
+    @property
+    def kv_blocks_peak_since_reset(self) -> int:
+        """The most KV blocks held at once since `reset_kv_blocks_peak` (one generate())."""
+        return self.kv_cache_manager.num_held_blocks_peak_since_reset
+
+    def reset_kv_blocks_peak(self) -> None:
+        """Start a new window for `kv_blocks_peak_since_reset` (one generate() call); the
+        cumulative `kv_blocks_peak` is kept."""
+        self.kv_cache_manager.reset_peak()
 
     def stats(self) -> dict:
         kv = self.kv_cache_manager
@@ -434,14 +444,7 @@ class LLMEngine(SpeculationStages):
             "kv_blocks_total": kv.num_blocks,
             "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
+            "prefix_cache_evictions": kv.num_evictions,
             "time_in_forward": self.runner.time_in_forward,
             "time_in_step": self.time_in_step,
         }
-
-
-    def reset_kv_blocks_peak(self) -> None:
-        """Start a new window for `kv_blocks_peak_since_reset` (one generate() call); the
-        cumulative `kv_blocks_peak` is kept."""
-        kv = self.kv_cache_manager
-        self.kv_blocks_peak_since_reset = kv.num_blocks - kv.num_free_blocks
-

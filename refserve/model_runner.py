@@ -5,7 +5,7 @@
     logits = runner.forward(inputs)         # device: one model forward; logits to the host
 
 `prepare` is the whole translation. Each row `s` of `out.scheduled` computes the query tokens
-`(seq.token_ids + seq.spec_token_ids)[s.start : s.start + s.num_tokens]`, and its last
+`(seq.token_ids + s.draft_token_ids)[s.start : s.start + s.num_tokens]`, and its last
 `s.num_logits` tokens need logits. Rows are laid out *decodes first* (q_len == 1, in
 scheduler order), then the others (prefill chunks, speculative verifies), and for each:
 
@@ -87,22 +87,16 @@ class ModelInputs:
     __repr__ = __str__
 
 
-def _query_tokens(seq, start: int, num_tokens: int) -> list[int]:
-    """(seq.token_ids + seq.spec_token_ids)[start:start + num_tokens], without concatenating
-    the whole history."""
-    token_ids = seq.token_ids
-    end = start + num_tokens
+def query_tokens(row) -> list[int]:
+    """The tokens a row computes: (seq.token_ids + row.draft_token_ids)[start:end], without
+    concatenating the whole history (a verify row's drafts come after its last real
+    token; scheduler/drafts.py)."""
+    token_ids = row.seq.token_ids
+    start, end = row.start, row.start + row.num_tokens
     if end <= len(token_ids):
         return token_ids[start:end]
-    spec = getattr(seq, "spec_token_ids", [])
-    return token_ids[start:] + spec[max(0, start - len(token_ids)):end - len(token_ids)]
-
-
-def _num_logits(row) -> int:
-    num_logits = getattr(row, "num_logits", None)
-    if num_logits is None:  # a scheduler output from before num_logits existed
-        num_logits = 1 if row.samples else 0
-    return 0 if row.is_padding else int(num_logits)
+    drafts = list(row.draft_token_ids)
+    return token_ids[start:] + drafts[max(0, start - len(token_ids)):end - len(token_ids)]
 
 
 class ModelRunner:
@@ -159,7 +153,7 @@ class ModelRunner:
                 slots[lo] = -1
             else:
                 start = s.start
-                input_ids[lo:hi] = _query_tokens(s.seq, start, s.num_tokens)
+                input_ids[lo:hi] = query_tokens(s)
             positions[lo:hi] = np.arange(start, start + (hi - lo))
             if not s.is_padding:
                 # The row's own table, not the padded row: a position without a block raises
@@ -171,7 +165,7 @@ class ModelRunner:
         logits_indices = []
         for i, s in enumerate(rows):
             end = int(first_token[i]) + q_lens[i]  # one past the row's last token
-            logits_indices.extend(range(end - _num_logits(s), end))
+            logits_indices.extend(range(end - (0 if s.is_padding else s.num_logits), end))
         logits_indices = np.array(logits_indices, dtype=np.int64)
         to_dev = self.backend.to_device
         attn = AttentionMetadata.build(slots, query_start_loc, context_lens, block_tables,

@@ -1,9 +1,17 @@
-"""After `scheduler.update`: what the engine makes of a step for its callers.
+"""After `scheduler.update`: what a step means for its callers, as `RequestOutput`s.
 
-For every sequence that got tokens: register forked children, extend its text by
-incremental detokenization (refserve/detokenizer.py), apply stop strings (also on the token
-that finished it by length), stamp first-token and finish times, and build the cumulative
-`RequestOutput`s (vLLM's default output kind). `LLMEngine.step()` calls `postprocess` last.
+`update` already decided everything (which tokens were appended, which sequences stopped and
+why, where a stop string cuts the text: scheduler/stop_rules.py). This module only reports
+it, reading the `StepUpdate` and the `SampledTokens` it is given, never the scheduler or the
+engine:
+
+    register forked children   their generators and first logprobs, from SampledTokens
+    count target passes        one per sampling row; a verify row's (proposed, accepted)
+    stamp times                first token, finish
+    build outputs              the cumulative `RequestOutput` of every request that got
+                               tokens (vLLM's default output kind), and forget the finished
+
+`LLMEngine.finish_step` calls `make_outputs` last in a step.
 """
 
 from __future__ import annotations
@@ -12,16 +20,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refserve.detokenizer import IncrementalDetokenizer
 from refserve.metrics import RequestMetrics
 from refserve.outputs import CompletionOutput, RequestOutput
 from refserve.sampling_params import SamplingParams
-from refserve.scheduler.output import SampledTokens, SchedulerOutput
-from refserve.sequence import Sequence, SequenceStatus
+from refserve.scheduler.output import SampledTokens, SchedulerOutput, StepUpdate
+from refserve.sequence import Sequence
 
 
 @dataclass
 class RequestState:
+    """What the engine keeps of one request between steps."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -30,11 +39,8 @@ class RequestState:
     seed: int | None = None  # its own seed, else one drawn from the engine's seed
     seqs: list[Sequence] = field(default_factory=list)
     generators: dict[int, np.random.Generator] = field(default_factory=dict)
-    stop_text_len: dict[int, int] = field(default_factory=dict)  # seq_id → text cut at stop
-    stop_reason: dict[int, int | str] = field(default_factory=dict)  # seq_id → string / id
     logprobs: dict[int, list] = field(default_factory=dict)  # seq_id → one dict per token
     prompt_logprobs: list | None = None
-    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -42,121 +48,105 @@ class RequestState:
             s.is_finished for s in self.seqs)
 
 
-def postprocess(engine, out: SchedulerOutput, sampled: SampledTokens,
-                 now: float) -> list[RequestOutput]:
-    """After update: register forked children, extend each sequence's text by its new
-    tokens (incremental detokenization), apply stop strings, stamp times; return one
-    RequestOutput per request that got tokens, and forget finished requests."""
-    for child in out.forked:
-        req = engine.requests[child.request_id]
-        req.seqs.append(child)
-        parent_id = req.seqs[0].seq_id
-        req.generators[child.seq_id] = sampled.generators[(parent_id, child.child_index)]
-        lp = engine._new_logprobs.pop((parent_id, child.child_index), None)
-        if lp is not None:
-            engine._new_logprobs[child.seq_id] = lp
-    touched: dict[str, RequestState] = {}
-    got_tokens = [row.seq for row in out.scheduled if row.seq.seq_id in sampled.token_ids]
-    for seq in got_tokens + out.forked:
-        req = engine.requests.get(seq.request_id)
+def make_outputs(requests: dict[str, RequestState], out: SchedulerOutput,
+                 sampled: SampledTokens, update: StepUpdate, now: float
+                 ) -> list[RequestOutput]:
+    """One RequestOutput per request that got tokens in this step; finished requests are
+    removed from `requests` (see the module docstring)."""
+    for child in update.forked:
+        req = requests.get(child.request_id)
         if req is None:
-            continue  # aborted since schedule()
+            continue
+        req.seqs.append(child)
+        key = (req.seqs[0].seq_id, child.child_index)
+        req.generators[child.seq_id] = sampled.generators[key]
+        if key in sampled.logprobs:
+            req.logprobs[child.seq_id] = [sampled.logprobs[key]]
+    touched: dict[str, RequestState] = {}
+    for row in out.scheduled:
+        seq = row.seq
+        req = requests.get(seq.request_id)
+        if req is None or seq.seq_id not in update.appended:
+            continue  # no tokens this step, or aborted since schedule()
         touched[req.request_id] = req
-        advance_text(engine, req, seq, now)
+        _count_pass(req.metrics, update.verified.get(seq.seq_id))
+        if seq.seq_id in sampled.logprobs:
+            req.logprobs.setdefault(seq.seq_id, []).append(sampled.logprobs[seq.seq_id])
+    for seq in [row.seq for row in out.scheduled] + update.forked:
+        req = touched.get(seq.request_id)
+        if req is not None:
+            _stamp_times(req, seq, now)
+    outputs = []
     for req in touched.values():
         if req.finished:
-            m = req.metrics
-            m.finish_time = max(s.finish_time or now for s in req.seqs)
-            m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
-            # TPOT is per sequence: the n samples decode side by side, so their time
-            # between tokens is each one's, not the total over n.
-            decoding = [s for s in req.seqs if s.num_output_tokens > 1
-                        and s.first_token_time is not None]
-            m.decode_time = sum(s.finish_time - s.first_token_time for s in decoding)
-            m.num_decode_tokens = sum(s.num_output_tokens - 1 for s in decoding)
-            m.num_cached_tokens = req.seqs[0].num_cached_tokens
-            m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
-    outputs = [make_output(req) for req in touched.values()]
-    for req in touched.values():
-        if req.finished:
-            del engine.requests[req.request_id]
+            _finish_metrics(req, now)
+            del requests[req.request_id]
+        outputs.append(make_output(req))
     return outputs
 
-def advance_text(engine, req: RequestState, seq: Sequence, now: float) -> None:
-    """New tokens of `seq`: first-token time, text, stop strings, finish time.
 
-    Stop strings are checked on every new token once min_tokens output tokens exist
-    (vLLM), also on the one that finished the sequence by length (max_tokens /
-    max_model_len): a stop string it completes still cuts the text and makes the finish
-    reason "stop", as in vLLM. The text is cut before the stop string, or after it with
-    include_stop_str_in_output; stop_reason is the matched string, or the stop token id
-    that ended the sequence (None for EOS and length).
-    """
-    lp = engine._new_logprobs.pop(seq.seq_id, None)
-    if lp is not None:
-        req.logprobs.setdefault(seq.seq_id, []).append(lp)
+def _count_pass(m: RequestMetrics, verified: tuple[int, int] | None) -> None:
+    """One target pass sampled for the request; a verify row adds its drafts proposed and
+    accepted (scheduler/drafts.py: count_verified), so output tokens = passes + accepted."""
+    m.num_target_passes += 1
+    if verified is not None:
+        proposed, accepted = verified
+        m.num_spec_verify_steps += 1
+        m.num_spec_proposed += proposed
+        m.num_spec_accepted += accepted
+
+
+def _stamp_times(req: RequestState, seq: Sequence, now: float) -> None:
     if seq.first_token_time is None and seq.num_output_tokens > 0:
         seq.first_token_time = now
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-    detok = req.detokenizers.get(seq.seq_id)
-    if detok is None:
-        detok = req.detokenizers[seq.seq_id] = IncrementalDetokenizer(engine.tokenizer)
-    old_len = len(detok.text)
-    detok.update(seq.output_token_ids)
-    params = req.params
-    stops = params.stop
-    if (stops and seq.seq_id not in req.stop_text_len
-            and seq.num_output_tokens >= params.min_tokens):
-        text = detok.text
-        # Only a match that ends in the new text is new: start the search far enough
-        # back for the longest stop string to straddle the old/new boundary.
-        since = max(0, old_len - max(map(len, stops)) + 1)
-        hits = [(i, st) for i, st in ((text.find(st, since), st) for st in stops)
-                if i >= 0]
-        if hits:
-            at, stop = min(hits)
-            keep = len(stop) if params.include_stop_str_in_output else 0
-            req.stop_text_len[seq.seq_id] = at + keep
-            req.stop_reason[seq.seq_id] = stop
-            if seq.is_finished:  # finished by length on this very token
-                seq.status = SequenceStatus.FINISHED_STOPPED
-            else:
-                engine.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-    if (seq.status == SequenceStatus.FINISHED_STOPPED and seq.seq_id not in req.stop_reason
-            and seq.output_token_ids):
-        last = seq.output_token_ids[-1]
-        eos = last == engine.eos_token_id and not params.ignore_eos
-        if not eos and last in params.stop_token_ids:
-            req.stop_reason[seq.seq_id] = last
     if seq.is_finished and seq.finish_time is None:
         seq.finish_time = now
 
-def make_output(req: RequestState) -> RequestOutput:
-    """The request's outputs so far (cumulative, as vLLM's default output kind).
 
-    While a sequence runs, the text holds back the last len(longest stop string) - 1
-    characters (as vLLM's detokenizer does): a stop string still being completed may
-    cut them, and a streamed prefix must never show text the final output drops."""
+def _finish_metrics(req: RequestState, now: float) -> None:
+    m = req.metrics
+    m.finish_time = max(s.finish_time or now for s in req.seqs)
+    m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
+    # TPOT is per sequence: the n samples decode side by side, so their time between
+    # tokens is each one's, not the total over n.
+    decoding = [s for s in req.seqs if s.num_output_tokens > 1
+                and s.first_token_time is not None]
+    m.decode_time = sum(s.finish_time - s.first_token_time for s in decoding)
+    m.num_decode_tokens = sum(s.num_output_tokens - 1 for s in decoding)
+    m.num_cached_tokens = req.seqs[0].num_cached_tokens or 0
+    m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
+
+
+def visible_text(seq: Sequence, hold: int) -> str:
+    """The sequence's text as a caller may see it now: cut where a stop rule ended it, and
+    while it runs, without the last `hold` characters (a stop string still being completed
+    may cut them, and a streamed prefix must never show text the final output drops; vLLM's
+    detokenizer holds back the same)."""
+    text = seq.detokenizer.text if seq.detokenizer is not None else ""
+    if seq.output_text_end is not None:
+        return text[:seq.output_text_end]
+    if hold and not seq.is_finished:
+        return text[:max(0, len(text) - hold)]
+    return text
+
+
+def make_output(req: RequestState) -> RequestOutput:
+    """The request's outputs so far (cumulative, as vLLM's default output kind)."""
     params = req.params
     hold = (max(map(len, params.stop)) - 1
             if params.stop and not params.include_stop_str_in_output else 0)
     completions = []
     for i, seq in enumerate(sorted(req.seqs, key=lambda s: s.child_index)):
-        detok = req.detokenizers.get(seq.seq_id)
-        text = detok.text if detok is not None else ""
-        if seq.seq_id in req.stop_text_len:
-            text = text[:req.stop_text_len[seq.seq_id]]
-        elif hold and not seq.is_finished:
-            text = text[:max(0, len(text) - hold)]
         lps = req.logprobs.get(seq.seq_id) if params.logprobs is not None else None
         if params.logprobs is not None:
             lps = lps or []
         cumulative = (None if lps is None else float(sum(
             d[t].logprob for d, t in zip(lps, seq.output_token_ids))))
         completions.append(CompletionOutput(
-            i, text, list(seq.output_token_ids), cumulative, lps,
-            seq.status.finish_reason, req.stop_reason.get(seq.seq_id)))
+            i, visible_text(seq, hold), list(seq.output_token_ids), cumulative, lps,
+            seq.status.finish_reason, seq.stop_reason))
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                          req.prompt_logprobs, completions, req.finished, req.metrics,
-                         req.seqs[0].num_cached_tokens)
+                         req.seqs[0].num_cached_tokens or 0)

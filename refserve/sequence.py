@@ -4,14 +4,16 @@ A request with `SamplingParams(n=4)` becomes one sequence that is prefilled once
 forked into four (copy-on-write shares the prompt's blocks). Everything the scheduler and the
 KV-cache manager need to know about a sequence lives here:
 
-    token_ids            prompt + output so far (the history prefix caching hashes and an
-                         n-gram proposer searches)
-    spec_token_ids       draft tokens proposed for the next verify step (speculative
-                         decoding); kept apart from token_ids so prefix hashing and stop
-                         rules only ever see accepted tokens
+    token_ids            prompt + output so far: ACCEPTED tokens only (the history prefix
+                         caching hashes, the stop rules read and an n-gram proposer
+                         searches). Draft tokens never live here: they travel through one
+                         step as values (refserve/scheduler/drafts.py).
     num_computed_tokens  how many of token_ids have their K/V in the cache. A step computes
                          tokens [num_computed_tokens, num_computed_tokens + n); when that
                          reaches num_tokens the last logits sample the next token.
+    detokenizer          the output's text, grown token by token as tokens are appended
+                         (None without a tokenizer); the stop rules read it
+    stop_reason, output_text_end   what the stop rules decided (scheduler/stop_rules.py)
 
 Invariant: 0 <= num_computed_tokens <= num_tokens, and num_computed_tokens == num_tokens only
 between the step that computed the last token and the append of the token it sampled (or
@@ -22,7 +24,8 @@ from __future__ import annotations
 
 import enum
 
-from refserve.sampling import SamplingParams
+from refserve.detokenizer import IncrementalDetokenizer
+from refserve.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -53,13 +56,18 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.token_ids: list[int] = list(prompt_token_ids)
-        self.spec_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
+        # vLLM's num_cached_tokens: prompt tokens found in the prefix cache when the sequence
+        # was FIRST scheduled (None until then). A later readmission after preemption may
+        # hit more of its own blocks; that saves recomputation but does not change this.
+        self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.stop_reason: int | str | None = None  # the stop string or stop token id
+        self.output_text_end: int | None = None  # the visible text ends here (a stop)
         # Parallel sampling (n > 1): the index of this child, and whether this sequence is
         # a parent that still has to fork its n - 1 children (when it samples its first
         # token). Until then it reserves n seats in the running batch.
@@ -104,6 +112,7 @@ class Sequence:
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.detokenizer = None if self.detokenizer is None else self.detokenizer.copy()
         child.awaiting_fork = False
         child.first_token_time = self.first_token_time
         return child

@@ -112,6 +112,8 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_scheduler.py", r"chunked_prefill", ("scheduler", "chunked_prefill")),
     ("test_scheduler.py", r"preempt", ("scheduler", "preemption")),
     ("test_scheduler.py", None, ("scheduler",)),
+    ("test_stop_rules.py", r"spec", ("scheduler", "spec_e2e")),
+    ("test_stop_rules.py", None, ("scheduler",)),
     ("test_sampling.py", None, ("sampling",)),
     ("test_engine_smollm2.py", r"chunking_and_preemption",
      ("engine", "model_parity", "chunked_prefill", "preemption")),

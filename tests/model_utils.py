@@ -50,13 +50,14 @@ def hf_logits(hf_model, token_ids) -> np.ndarray:
         return hf_model(torch.tensor([token_ids])).logits[0].float().numpy()
 
 
-def row(token_ids, start, num_tokens, block_ids, num_logits=1, is_padding=False):
+def row(token_ids, start, num_tokens, block_ids, num_logits=1, is_padding=False,
+        draft_token_ids=()):
     """A scheduled row as the runner reads it (duck-typed `ScheduledSequence`): the sequence
-    holds `token_ids`, the row computes [start, start + num_tokens)."""
-    seq = SimpleNamespace(token_ids=list(token_ids), spec_token_ids=[],
-                          num_computed_tokens=start)
+    holds `token_ids`, the row computes [start, start + num_tokens) of token_ids + drafts."""
+    seq = SimpleNamespace(token_ids=list(token_ids), num_computed_tokens=start)
     return SimpleNamespace(seq=seq, start=start, num_tokens=num_tokens, is_padding=is_padding,
-                           block_ids=list(block_ids), num_logits=num_logits)
+                           block_ids=list(block_ids), num_logits=num_logits,
+                           draft_token_ids=tuple(draft_token_ids))
 
 
 def run_step(runner, rows, block_copies=()):
@@ -92,3 +93,19 @@ def max_rel_err(a, b) -> float:
     """max over positions of max|a-b| / max|b| (relative to the row's scale)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b).max(-1) / np.abs(b).max(-1)))
+
+
+class LetterTokenizer:
+    """Token t is the one letter chr(ord('A') + t % 26): every token adds exactly one
+    character, so a test can say which token completes a stop string. EOS (if given)
+    decodes to nothing, like a special token."""
+
+    def __init__(self, eos_token_id: int | None = None) -> None:
+        self.eos_token_id = eos_token_id
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join("" if t == self.eos_token_id and skip_special_tokens
+                       else chr(ord("A") + t % 26) for t in token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) - ord("A") for c in text]

@@ -133,12 +133,26 @@ def test_q_stride_of_a_fused_qkv_view_is_in_elements():
      "head_dim"),
     (lambda a: a.update(q=np.zeros((3, 2 * 4 * 64 + 4), np.float16)[:, :256].reshape(3, 4, 64)),
      "multiples of 16 bytes"),
+    # row counts that disagree: the kernel would read past an array's end
+    (lambda a: a.update(context_lens=a["context_lens"][:2].copy()), "need 3 query_start_loc"),
+    (lambda a: a.update(query_start_loc=a["query_start_loc"][:3].copy()),
+     "3 context_lens need 4"),
+    (lambda a: a.update(block_tables=a["block_tables"][:2].copy()), "3 block-table rows"),
+    (lambda a: a.update(context_lens=np.ones(2, np.int32), block_tables=np.zeros((2, 2),
+                        np.int32), query_start_loc=np.arange(3, dtype=np.int32)),
+     "num_seqs=3: the metadata has 2 rows"),
 ])
 def test_attention_launch_refuses_bad_arrays(change, message):
     a = attention_arrays("float16")
     change(a)
     with pytest.raises(ValueError, match=message):
         cl.decode_v1_launch(*a.values(), 0.125, 3, "float16")
+
+
+def test_varlen_launch_must_cover_every_row():
+    a = attention_arrays("float16")
+    with pytest.raises(ValueError, match="covers every row"):
+        cl.varlen_launch(*a.values(), 0.125, 2, 1, "float16")
 
 
 def test_write_kv_launch_is_none_for_no_tokens_and_checks_slot_dtype():

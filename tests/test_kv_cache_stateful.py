@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from refserve.capacity import blocks_for_tokens
 from refserve.kv_cache import KVCacheManager, NoFreeBlocksError
 from refserve.sampling import SamplingParams
+from refserve.scheduler.drafts import roll_back
 from refserve.sequence import Sequence
 
 # Three prompts that share leading tokens, so block-aligned prefixes repeat.
@@ -82,13 +83,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         blocks, hit_tokens = m.get_computed_blocks(seq)
         self.check_hit_blocks(seq, blocks, hit_tokens)
         n = min(chunk, seq.num_tokens - hit_tokens)
-        free_before = m.num_free_blocks
+        free_before = m.num_available_blocks
         ok = m.can_allocate(seq, n, blocks)
         try:
             copies = m.allocate_slots(seq, n, blocks)
         except NoFreeBlocksError:
             assert not ok
-            assert not m.has_sequence(seq.seq_id) and m.num_free_blocks == free_before
+            assert not m.has_sequence(seq.seq_id) and m.num_available_blocks == free_before
             return False
         assert ok
         assert copies == []  # a new sequence shares only hit blocks, which it never writes
@@ -116,14 +117,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         if n == 0:
             return
         m = self.manager
-        blocks_before, free_before = m.get_block_ids(seq.seq_id), m.num_free_blocks
+        blocks_before, free_before = m.get_block_ids(seq.seq_id), m.num_available_blocks
         ok = m.can_allocate(seq, n)
         try:
             copies = m.allocate_slots(seq, n)
         except NoFreeBlocksError:
             assert not ok  # atomic: nothing changed
             assert m.get_block_ids(seq.seq_id) == blocks_before
-            assert m.num_free_blocks == free_before
+            assert m.num_available_blocks == free_before
             return
         assert ok
         self.write(seq, copies, n)
@@ -141,23 +142,22 @@ class KVCacheMachine(RuleBasedStateMachine):
     def speculate(self, index, drafts, num_accepted, last):
         """A verify step as the scheduler and engine run it: the last real token and the
         drafts get slots and K/V, `num_accepted` drafts are kept and one recovered (or bonus)
-        token appended, num_computed_tokens = min(computed, num_tokens - 1) un-computes the
-        rejected drafts, and trim frees the blocks beyond the tokens."""
+        token appended, then `drafts.roll_back` un-computes the rejected drafts
+        (num_computed_tokens = min(computed, num_tokens - 1)) and trims the blocks beyond
+        the tokens."""
         seq = self.pick(index)
         if seq.num_computed_tokens != seq.num_tokens - 1:
             return
         m = self.manager
         num_accepted = min(num_accepted, len(drafts))
         start, n = seq.num_computed_tokens, 1 + len(drafts)
-        seq.spec_token_ids = list(drafts)
         try:
             copies = m.allocate_slots(seq, n)
         except NoFreeBlocksError:
-            seq.spec_token_ids = []
             return
         for src, dst in copies:
             self.shadow[dst] = list(self.shadow[src])
-        query = (seq.token_ids + seq.spec_token_ids)[start:start + n]
+        query = (seq.token_ids + list(drafts))[start:start + n]
         for token, slot in zip(query, m.slot_mapping(seq.seq_id, start, start + n),
                                strict=True):
             block, offset = divmod(slot, self.bs)
@@ -170,11 +170,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             seq.append_token(last if last != rejected else last + 1)
         else:
             seq.append_token(last)  # the bonus token
-        seq.spec_token_ids = []
-        seq.num_computed_tokens = min(start + n, seq.num_tokens - 1)
-        freed = m.trim(seq, seq.num_tokens)
-        assert len(m.get_block_ids(seq.seq_id)) == blocks_for_tokens(seq.num_tokens, self.bs) \
-            or not freed
+        seq.num_computed_tokens = start + n
+        roll_back(seq, m)
+        assert seq.num_computed_tokens == seq.num_tokens - 1
+        # what was allocated for the verify, minus the blocks past the kept tokens
+        assert len(m.get_block_ids(seq.seq_id)) == min(
+            blocks_for_tokens(start + n, self.bs), blocks_for_tokens(seq.num_tokens, self.bs))
         m.cache_full_blocks(seq)
 
     @precondition(lambda self: self.running)
@@ -192,7 +193,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def free(self, index):
         seq = self.pick(index)
         self.running.remove(seq)
-        self.manager.free(seq)
+        self.manager.release(seq)
         assert not self.manager.has_sequence(seq.seq_id)
 
     @precondition(lambda self: self.running)
@@ -200,7 +201,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def preempt(self, index):
         seq = self.pick(index)
         self.running.remove(seq)
-        self.manager.free(seq)
+        self.manager.release(seq)
         seq.num_computed_tokens = 0  # recompute: its tokens are kept, its KV is not
         self.waiting.append(seq)
 
@@ -215,13 +216,13 @@ class KVCacheMachine(RuleBasedStateMachine):
     def lookup(self, prefix, prefix_len):
         m = self.manager
         refs = [m.allocator.ref_count(b) for b in range(m.num_blocks)]
-        queue = list(m.allocator.free_block_ids())
+        queue = list(m.allocator.available_block_ids())
         seq = Sequence("probe", PREFIXES[prefix][:prefix_len] + [99], SamplingParams(),
                        seq_id=-1)
         blocks, hit_tokens = m.get_computed_blocks(seq)
         self.check_hit_blocks(seq, blocks, hit_tokens)
         assert [m.allocator.ref_count(b) for b in range(m.num_blocks)] == refs
-        assert list(m.allocator.free_block_ids()) == queue
+        assert list(m.allocator.available_block_ids()) == queue
 
     # ---- invariants after every step -----------------------------------------------------
 
@@ -235,10 +236,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         for seq in self.running:
             for block in m.get_block_ids(seq.seq_id):
                 holders[block] += 1
-        free = set(m.allocator.free_block_ids())
-        referenced = {b for b in range(m.num_blocks) if m.allocator.ref_count(b) > 0}
-        assert not free & referenced
-        assert len(free) + len(referenced) == m.num_blocks == m.num_free_blocks + len(referenced)
+        available = set(m.allocator.available_block_ids())
+        held = {b for b in range(m.num_blocks) if m.allocator.ref_count(b) > 0}
+        evictable = {b for b in available if m.prefix_cache.is_cached(b)}
+        assert not available & held
+        assert len(available) + len(held) == m.num_blocks
+        # held + evictable + free == the pool, each counted exactly
+        assert (m.num_held_blocks, m.num_evictable_blocks, m.num_free_blocks) == (
+            len(held), len(evictable), len(available) - len(evictable))
         assert holders == [m.allocator.ref_count(b) for b in range(m.num_blocks)]
         for seq in self.waiting:
             assert not m.has_sequence(seq.seq_id)
@@ -270,9 +275,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         if m is None:
             return
         for seq in self.running:
-            m.free(seq)
+            m.release(seq)
         m.check_invariants()
-        assert m.num_free_blocks == m.num_blocks  # everything free ...
+        assert m.num_held_blocks == 0  # everything free ...
         for block in m.prefix_cache.cached_blocks():
             assert m.allocator.ref_count(block) == 0  # ... cached blocks are evictable
 

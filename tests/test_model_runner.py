@@ -1,5 +1,5 @@
 """ModelRunner.prepare: the flat batch, by hand (decodes first, PAD_BLOCK padding, logits rows
-in scheduler order, draft tokens read from spec_token_ids), and forward's row order."""
+in scheduler order, draft tokens read from the row's draft_token_ids), and forward's row order."""
 
 from types import SimpleNamespace
 
@@ -23,8 +23,8 @@ def fake_runner(block_size=4):
 def test_prepare_by_hand():
     chunk = row(list(range(100, 110)), 2, 6, [7, 3], num_logits=0)       # positions 2..7
     decode = row(list(range(200, 206)), 5, 1, [9, 1])                    # position 5
-    verify = row([300, 301, 302], 2, 3, [4, 6], num_logits=3)            # 302 + 2 drafts
-    verify.seq.spec_token_ids = [303, 304]
+    verify = row([300, 301, 302], 2, 3, [4, 6], num_logits=3,            # 302 + 2 drafts
+                 draft_token_ids=[303, 304])
     padding = row([400, 401, 402], 2, 1, [5], num_logits=0, is_padding=True)
     inputs = fake_runner().prepare(SimpleNamespace(scheduled=[chunk, decode, verify, padding]))
     # Decodes first (the decode, then the padding row), then chunk and verify, in order.
@@ -51,8 +51,7 @@ def test_a_position_without_a_block_is_refused_not_invented():
     """A draft position with no block would be a scheduler bug: prepare fails loudly, even
     when another row's longer table pads this row's with PAD_BLOCK."""
     other = row(list(range(20)), 19, 1, [1, 2, 3, 4, 5])
-    short = row([1, 2, 3, 4], 3, 2, [4], num_logits=2)                   # position 4: no block
-    short.seq.spec_token_ids = [5]
+    short = row([1, 2, 3, 4], 3, 2, [4], num_logits=2, draft_token_ids=[5])  # 4: no block
     with pytest.raises(IndexError):
         fake_runner().prepare(SimpleNamespace(scheduled=[other, short]))
 
@@ -82,8 +81,8 @@ def test_verify_logits_equal_prefill_logits_and_come_back_in_row_order(tmp_path)
     runner = ModelRunner(model, model.backend, num_blocks=16, block_size=4)
     table_a, table_b = list(range(0, 5)), list(range(5, 8))
     run_step(runner, [row(a, 0, 16, table_a, num_logits=0), row(b, 0, 8, table_b, 0)])
-    verify = row(a[:17], 16, 4, table_a, num_logits=4)      # 1 real token + 3 drafts
-    verify.seq.spec_token_ids = a[17:]
+    verify = row(a[:17], 16, 4, table_a, num_logits=4,      # 1 real token + 3 drafts
+                 draft_token_ids=a[17:])
     logits = run_step(runner, [verify, row(b, 8, 1, table_b)])
     np.testing.assert_allclose(logits[:4], expect_a[16:20], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(logits[4], expect_b[8], rtol=1e-5, atol=1e-5)

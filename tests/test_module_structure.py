@@ -111,3 +111,103 @@ def test_one_list_of_backend_names():
 
     assert not hasattr(backends, "VALID_BACKENDS")
     assert backends.BACKENDS is config.BACKENDS
+
+
+# ---- the floors of the house ------------------------------------------------------------
+
+# Bottom up (docs/architecture.md, "Floors"): a module may import its own floor and the
+# floors below, never one above, lazy imports inside functions included. Every module has
+# a floor: a new module that fits none of these fails `test_every_module_has_a_floor`.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("config, params, sequence", (
+        "refserve.config", "refserve.speculative_config", "refserve.capacity",
+        "refserve.sampling_params", "refserve.sampling", "refserve.logits_processors",
+        "refserve.logprobs", "refserve.detokenizer", "refserve.inputs", "refserve.metrics",
+        "refserve.outputs", "refserve.sequence")),
+    ("kv cache", ("refserve.kv_cache",)),
+    ("scheduler", ("refserve.scheduler",)),
+    ("spec-decode math", ("refserve.spec_decode",)),
+    ("backends and models", ("refserve.backends", "refserve.models")),
+    ("model runner", ("refserve.model_runner",)),
+    ("spec-decode orchestration", ("refserve.speculation",)),
+    ("engine", ("refserve.engine", "refserve.output_processor", "refserve.prompt_logprobs")),
+    ("llm, entrypoints, CLIs, bench, simulator", (
+        "refserve", "refserve.__main__", "refserve.llm", "refserve.entrypoints",
+        "refserve.generate", "refserve.serve", "refserve.bench", "refserve.capacity_cli",
+        "refserve.selfcheck", "refserve.course", "refserve.prompt_files",
+        "refserve.simulator", "refserve.simulate", "refserve.plan")),
+]
+
+
+def floor_of(module: str) -> int | None:
+    """The floor (0 = bottom) of `module`: the floor of the longest prefix naming it."""
+    best, best_len = None, -1
+    for floor, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = floor, len(prefix)
+    return best
+
+
+def uphill_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} (floor {floor_of(a)}: {FLOORS[floor_of(a)][0]}) imports {b} "
+                  f"(floor {floor_of(b)}: {FLOORS[floor_of(b)][0]})"
+                  for a, imports in graph.items() for b in imports
+                  if floor_of(b) > floor_of(a))
+
+
+def test_every_module_has_a_floor():
+    missing = [m for m in import_graph() if floor_of(m) is None]
+    assert not missing, f"give these modules a floor in FLOORS: {missing}"
+
+
+def test_no_module_imports_one_above_it():
+    graph = import_graph(lazy=True)
+    # the root package is the top floor (it re-exports LLM), so it is a source, never a target
+    graph = {name: {m for m in imports if m != "refserve"} for name, imports in graph.items()}
+    assert not uphill_imports(graph), "\n".join(uphill_imports(graph))
+
+
+def test_uphill_checker_catches_an_uphill_import():
+    """Negative control: the scheduler importing the engine, or a backend lazily importing
+    the orchestration layer, is reported."""
+    assert floor_of("refserve.scheduler.base") < floor_of("refserve.engine")
+    assert floor_of("refserve.kv_cache") == 1 and floor_of("refserve") == len(FLOORS) - 1
+    bad = uphill_imports({"refserve.scheduler.base": {"refserve.engine"},
+                          "refserve.backends.base": {"refserve.speculation.verify"},
+                          "refserve.engine": {"refserve.scheduler"}})
+    assert len(bad) == 2 and "refserve.scheduler.base" in bad[1]
+
+
+# ---- notebooks use only public names ----------------------------------------------------
+
+NOTEBOOKS = ROOT.parent / "notebooks"
+
+
+def private_accesses(source: str) -> list[str]:
+    """`obj._name` accesses in Python source (dunders like __name__ are fine)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_notebooks_use_only_public_names():
+    import json
+
+    sources = {p.name: p.read_text() for p in [NOTEBOOKS / "kvpictures.py"]}
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "code":
+                sources[f"{path.name} cell {i}"] = "".join(cell["source"])
+    assert len(sources) >= 5
+    bad = {where: found for where, src in sources.items() if (found := private_accesses(src))}
+    assert not bad, f"notebooks must use only public names: {bad}"
+
+
+def test_private_access_checker_catches_one():
+    assert private_accesses("engine._postprocess(out)\nx = a.__class__") == [
+        "line 1: engine._postprocess"]

@@ -69,12 +69,12 @@ def test_get_computed_blocks_touches_nothing_and_stops_at_first_miss():
     manager = KVCacheManager(num_blocks=16, block_size=BS)
     a = make_seq(PREFIX + [1])
     run_prefill(manager, a)
-    free_before = manager.num_free_blocks
+    free_before = manager.num_available_blocks
     refs_before = [manager.allocator.ref_count(b) for b in range(16)]
     other_second_block = PREFIX[:BS] + [0] * BS + PREFIX[2 * BS:] + [1]
     blocks, hit_tokens = manager.get_computed_blocks(make_seq(other_second_block))
     assert hit_tokens == BS  # block 2 has the same tokens but a different prefix: a miss
-    assert manager.num_free_blocks == free_before
+    assert manager.num_available_blocks == free_before
     assert [manager.allocator.ref_count(b) for b in range(16)] == refs_before
 
 
@@ -103,22 +103,26 @@ def test_evictable_hit_blocks_are_revived_and_counted_once():
     manager = KVCacheManager(num_blocks=4, block_size=BS)
     a = make_seq(PREFIX + [1])  # 4 blocks: the whole pool
     run_prefill(manager, a)
-    manager.free(a)
-    assert manager.num_free_blocks == 4  # 3 cached blocks are evictable, they count as free
+    manager.release(a)
+    # the 3 cached blocks are evictable (not held, still findable), the 4th is free; an
+    # allocation can take all 4
+    assert (manager.num_held_blocks, manager.num_evictable_blocks,
+            manager.num_free_blocks, manager.num_available_blocks) == (0, 3, 1, 4)
     b = make_seq(PREFIX + [2])
     blocks, hit_tokens = manager.get_computed_blocks(b)
     assert hit_tokens == 3 * BS
-    # Needs the 3 revived blocks + 1 new = 4 <= 4 free: counting revived blocks as both
-    # "free" and "already mine" would wrongly allow 2 new blocks too.
+    # Needs the 3 revived blocks + 1 new = 4 <= 4 available: counting revived blocks as
+    # both "available" and "already mine" would wrongly allow 2 new blocks too.
     assert manager.can_allocate(b, 1, blocks)
     assert not manager.can_allocate(b, BS + 1, blocks)
     with pytest.raises(NoFreeBlocksError):
         manager.allocate_slots(b, BS + 1, blocks)
     assert not manager.has_sequence(b.seq_id)  # atomic: nothing changed
-    assert manager.num_free_blocks == 4
+    assert manager.num_available_blocks == 4 and manager.num_evictable_blocks == 3
     manager.check_invariants()
     manager.allocate_slots(b, 1, blocks)
-    assert manager.num_free_blocks == 0
+    assert manager.num_available_blocks == 0 and manager.num_evictable_blocks == 0
+    assert manager.num_held_blocks == 4
     manager.check_invariants()
 
 
@@ -130,9 +134,9 @@ def test_lru_eviction_order():
     run_prefill(manager, x)
     run_prefill(manager, y)
     x_blocks, y_blocks = manager.get_block_ids(x.seq_id), manager.get_block_ids(y.seq_id)
-    manager.free(x)  # x released first: least recently used
-    manager.free(y)
-    queue = list(manager.allocator.free_block_ids())
+    manager.release(x)  # x released first: least recently used
+    manager.release(y)
+    queue = list(manager.allocator.available_block_ids())
     # Uncached partial blocks first (worthless), then x tail-first, then y tail-first.
     assert set(queue[:2]) == {x_blocks[2], y_blocks[2]}
     assert queue[2:] == [x_blocks[1], x_blocks[0], y_blocks[1], y_blocks[0]]
@@ -152,11 +156,11 @@ def test_hit_moves_block_out_of_lru_order():
     x = make_seq([1] * BS + [2])
     run_prefill(manager, x)
     x0 = manager.get_block_ids(x.seq_id)[0]
-    manager.free(x)
+    manager.release(x)
     y = make_seq([1] * BS + [3])  # hits x0 and revives it from the free queue
     run_prefill(manager, y)
     assert manager.get_block_ids(y.seq_id)[0] == x0
-    assert x0 not in list(manager.allocator.free_block_ids())
+    assert x0 not in list(manager.allocator.available_block_ids())
     manager.check_invariants()
 
 
@@ -164,7 +168,7 @@ def test_stale_computed_blocks_are_rejected():
     manager = KVCacheManager(num_blocks=2, block_size=BS)
     a = make_seq([1] * BS + [2])
     run_prefill(manager, a)
-    manager.free(a)
+    manager.release(a)
     b = make_seq([1] * BS + [3])
     blocks, _ = manager.get_computed_blocks(b)
     run_prefill(manager, make_seq([7] * (2 * BS)))  # evicts and reuses the hit block
@@ -273,18 +277,18 @@ def test_append_rule_through_the_manager():
     seq = make_seq(list(range(15)))
     manager.allocate_slots(seq, 15)
     seq.num_computed_tokens = 15
-    assert manager.num_free_blocks == 7
+    assert manager.num_held_blocks == 1
     seq.append_token(1)  # the 16th token: no new block
     manager.allocate_slots(seq, 1)
     seq.num_computed_tokens = 16
-    assert manager.num_free_blocks == 7
+    assert manager.num_held_blocks == 1
     seq.append_token(2)  # the 17th token: exactly one new block
     manager.allocate_slots(seq, 1)
-    assert manager.num_free_blocks == 6
+    assert manager.num_held_blocks == 2 and manager.num_free_blocks == 6
     assert manager.usage() == pytest.approx(2 / 8)
-    manager.free(seq)
-    assert manager.num_free_blocks == 8
-    manager.free(seq)  # freeing a sequence without blocks is a no-op
+    manager.release(seq)
+    assert manager.num_held_blocks == 0 and manager.num_available_blocks == 8
+    manager.release(seq)  # releasing a sequence without blocks is a no-op
 
 
 def test_hit_below_a_recached_parent_block():
@@ -303,10 +307,10 @@ def test_hit_below_a_recached_parent_block():
     b_blocks = manager.get_block_ids(b.seq_id)
     assert not manager.prefix_cache.is_cached(b_blocks[0])  # duplicate of a's block 0
     assert manager.prefix_cache.is_cached(b_blocks[2])  # [5, 5] chained on a's keys
-    manager.free(a)
+    manager.release(a)
     filler = make_seq([9] * 10)  # takes every free block: a's cached blocks are evicted
     manager.allocate_slots(filler, filler.num_tokens)
-    manager.free(filler)
+    manager.release(filler)
     assert manager.get_computed_blocks(make_seq([1, 1, 2, 2, 0]))[1] == 0
     run_prefill(manager, make_seq([1, 1, 2, 2, 7]))  # caches [1,1] and [2,2] again
     d = make_seq([1, 1, 2, 2, 5, 5, 8])

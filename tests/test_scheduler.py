@@ -14,6 +14,7 @@ from refserve.capacity import blocks_for_tokens
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.sampling import SamplingParams
 from refserve.scheduler import (
+    Proposal,
     ScheduledSequence,
     Scheduler,
     SchedulerOutput,
@@ -102,7 +103,7 @@ def check_blocks(sched, kv: KVCacheManager, all_seqs: list[Sequence]) -> None:
     for seq in holders:
         if kv.has_sequence(seq.seq_id):
             held.update(kv.get_block_ids(seq.seq_id))
-    assert kv.num_free_blocks == kv.num_blocks - len(held)
+    assert kv.num_held_blocks == len(held)
     holder_ids = {seq.seq_id for seq in holders}
     for seq in all_seqs:
         if seq.seq_id not in holder_ids:
@@ -111,7 +112,7 @@ def check_blocks(sched, kv: KVCacheManager, all_seqs: list[Sequence]) -> None:
 
 def step(sched, runner: FakeRunner) -> tuple[SchedulerOutput, list[Sequence]]:
     out = sched.schedule()
-    retired = sched.update(out, runner.execute(out))
+    retired = sched.update(out, runner.execute(out)).retired
     return out, retired
 
 
@@ -229,7 +230,7 @@ def test_random_workloads(batching, w):
         for seq_id in out.preempted:
             seq = next(s for s in seqs.values() if s.seq_id == seq_id)
             assert seq in sched.waiting and seq.num_computed_tokens == 0
-        retired = sched.update(out, runner.execute(out))
+        retired = sched.update(out, runner.execute(out)).retired
         for seq in retired:
             assert seq.is_finished and seq.request_id not in finished
             finished[seq.request_id] = seq
@@ -237,7 +238,7 @@ def test_random_workloads(batching, w):
         clock += 1
 
     assert not sched.running and not sched.waiting
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
     event(f"preemptions: {min(sched.num_preemptions, 3)}")
     event(f"prefix-cache hit tokens > 0: {kv.prefix_cache_hit_tokens > 0}")
     event(f"aborted: {bool(aborted)}")
@@ -306,7 +307,7 @@ def test_preemption_preempts_newest_to_head_of_queue_and_keeps_output():
         tokens, _ = expected_output(seq.request_id, 4, seq.sampling_params, 512, None)
         assert done[seq.request_id].output_token_ids == tokens
     assert b.output_token_ids[:len(kept)] == kept
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
 
 
 def test_newest_sequence_preempts_itself():
@@ -346,7 +347,7 @@ def test_admission_is_fcfs_and_never_preempts():
     assert out.admitted == [a.seq_id, b.seq_id]
     assert list(sched.waiting) == [c] and out.preempted == []
     run_all(sched, runner)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
 
 
 def test_head_of_queue_blocks_admission_no_skipping():
@@ -401,7 +402,7 @@ def test_abort_frees_blocks_at_once(where):
     assert sched.abort(b.seq_id) is None and sched.abort(12345) is None
     sched.max_num_seqs = 2
     run_all(sched, runner)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
 
 
 def test_abort_between_schedule_and_update_is_skipped():
@@ -411,20 +412,9 @@ def test_abort_between_schedule_and_update_is_skipped():
     out = sched.schedule()
     sampled = runner.execute(out)
     sched.abort(a.seq_id)
-    assert sched.update(out, sampled) == []
+    assert sched.update(out, sampled).retired == []
     assert a.num_output_tokens == 0 and not kv.has_sequence(a.seq_id)
     assert not sched.has_unfinished()
-
-
-def test_finish_for_a_stop_string_frees_blocks():
-    sched, kv, runner = make()
-    a = make_seq("a", 5, 10)
-    sched.add_sequence(a)
-    step(sched, runner)
-    assert sched.finish(a.seq_id, SequenceStatus.FINISHED_STOPPED) is a
-    assert a.status is SequenceStatus.FINISHED_STOPPED and not kv.has_sequence(a.seq_id)
-    assert not sched.has_unfinished() and sched.finish(a.seq_id,
-                                                      SequenceStatus.FINISHED_STOPPED) is None
 
 
 def test_stop_token_eos_and_max_model_len():
@@ -481,7 +471,7 @@ def test_fork_between_schedule_and_update_rides_the_step():
     assert len(out.block_copies) == 1
     assert [row.seq for row in out.scheduled] == [parent, child]
     run_all(sched, runner)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
 
 
 def test_a_step_never_applied_is_scheduled_again():
@@ -502,7 +492,7 @@ def test_a_step_never_applied_is_scheduled_again():
         sched.update(failed, {})
     sched.update(retry, runner.execute(retry))
     run_all(sched, runner)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
 
 
 def test_output_string_shows_admitted_rows_and_summary():
@@ -513,7 +503,8 @@ def test_output_string_shows_admitted_rows_and_summary():
     text = str(out)
     assert text.startswith("step 0:") and "admitted [" in text
     assert "alpha" in text and "chunk" in text and "[0, 8)" in text
-    assert "budget 8/8 tokens" in text and "seats 1/2" in text and "free blocks 8/10" in text
+    assert "budget 8/8 tokens" in text and "seats 1/2" in text
+    assert "blocks held 2, cached 0, free 8 of 10" in text
     sched.update(out, runner.execute(out))
     assert isinstance(out.scheduled[0], ScheduledSequence)
 
@@ -528,7 +519,7 @@ def run_fixed_workload(cls):
     for i, max_tokens in enumerate(MAX_TOKENS):
         sched.add_sequence(make_seq(f"req{i}", 8, max_tokens))
     done = run_all(sched, runner)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
     return sched, {rid: seq.output_token_ids for rid, seq in done.items()}
 
 
@@ -611,7 +602,7 @@ def test_carried_copies_skip_blocks_freed_since_the_failed_step():
     assert len(set(dsts)) == len(dsts)
     sched.update(retry, runner.execute(retry))
     run_all(sched, runner)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
 
 
 def test_fork_validates_before_changing_anything():
@@ -621,12 +612,12 @@ def test_fork_validates_before_changing_anything():
     sched.schedule()  # the parent's prefill is pending: a rider must copy it as scheduled
     child = parent.fork()
     child.num_computed_tokens = 3  # not what was scheduled
-    free_before = kv.num_free_blocks
+    free_before = kv.num_available_blocks
     with pytest.raises(ValueError, match="as scheduled"):
         sched.fork(parent, child)
     assert parent.awaiting_fork and parent.num_seats == 2
     assert child not in sched.running and child.seq_id not in sched._by_id
-    assert not kv.has_sequence(child.seq_id) and kv.num_free_blocks == free_before
+    assert not kv.has_sequence(child.seq_id) and kv.num_available_blocks == free_before
     kv.check_invariants()
 
 
@@ -654,15 +645,14 @@ def test_update_forks_children_only_when_the_step_is_applied():
     assert sched.running == [parent] and parent.num_seats == 3
     runner.execute(out)  # writes the prompt's K/V into the fake cache
     sampled = SampledTokens({parent.seq_id: [7]}, fork_token_ids={parent.seq_id: [8, 9]})
-    sched.update(out, sampled)
-    children = out.forked
+    children = sched.update(out, sampled).forked
     assert [c.child_index for c in children] == [1, 2]
     assert [c.output_token_ids for c in (parent, *children)] == [[7], [8], [9]]
     assert all(c.num_computed_tokens == 6 for c in (parent, *children))
     assert sched.running == [parent, *children] and sched.num_seats_used == 3
     assert len({c.seq_id for c in (parent, *children)}) == 3
     run_all(sched, runner)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
 
 
 def test_sequence_ids_are_per_scheduler():
@@ -681,13 +671,14 @@ def test_verify_row_has_k_plus_one_logits_and_rejected_drafts_are_not_computed()
     a = make_seq("a", 5, 10)
     sched.add_sequence(a)
     step(sched, runner)  # prefill: 5 computed, 1 sampled -> 6 tokens, 5 computed
-    a.spec_token_ids = [11, 12, 13]
-    out = sched.schedule()
+    out = sched.schedule({a.seq_id: Proposal([11, 12, 13])})
     (row,) = out.scheduled
     assert (row.start, row.num_tokens, row.num_logits, row.kind) == (5, 4, 4, "verify")
+    assert row.draft_token_ids == (11, 12, 13) and a.num_tokens == 6  # drafts stay apart
     # One draft accepted, then a recovered token: two tokens appended.
-    sched.update(out, {a.seq_id: [11, 42]})
-    assert a.output_token_ids[-2:] == [11, 42] and a.spec_token_ids == []
+    update = sched.update(out, {a.seq_id: [11, 42]})
+    assert a.output_token_ids[-2:] == [11, 42] and update.appended[a.seq_id] == [11, 42]
+    assert update.verified[a.seq_id] == (3, 1)
     assert a.num_computed_tokens == a.num_tokens - 1 == 7
     out = sched.schedule()
     assert (out.scheduled[0].start, out.scheduled[0].num_tokens) == (7, 1)
@@ -698,6 +689,7 @@ def test_drafts_that_do_not_fit_the_budget_are_dropped():
     a = make_seq("a", 2, 10)
     sched.add_sequence(a)
     step(sched, runner)
-    a.spec_token_ids = [1, 2, 3, 4]
-    out = sched.schedule()
-    assert a.spec_token_ids == [1, 2] and out.scheduled[0].num_logits == 3
+    proposals = {a.seq_id: Proposal([1, 2, 3, 4])}
+    out = sched.schedule(proposals)
+    assert out.scheduled[0].draft_token_ids == (1, 2) and out.scheduled[0].num_logits == 3
+    assert proposals[a.seq_id].token_ids == (1, 2, 3, 4)  # scheduling changed nothing

@@ -11,7 +11,8 @@ from refserve import LLM, SamplingParams
 from refserve.capacity import blocks_for_tokens
 from refserve.config import EngineConfig
 from refserve.engine import EngineStepError, LLMEngine
-from refserve.spec_decode.proposer import Proposal, Proposer
+from refserve.scheduler import Proposal
+from refserve.speculation.proposer import Proposer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8],
@@ -145,17 +146,17 @@ def test_greedy_output_identical_and_metrics_add_up(tiny, spec):
     d = json.loads(json.dumps(s.to_dict()))
     assert d["speculative_method"] == spec["method"] and 0 <= d["acceptance_rate"] <= 1
     kv = llm.engine.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks  # everything returned, drafts included
+    assert kv.num_held_blocks == 0  # everything returned, drafts included
     if spec["method"] == "draft_model":
-        draft_kv = llm.engine.proposer.kv_cache_manager
+        draft_kv = llm.engine.speculator.proposer.kv_cache_manager
         llm.engine.propose()  # nothing runs any more: the shadows are released
-        assert draft_kv.num_free_blocks == draft_kv.num_blocks
+        assert draft_kv.num_held_blocks == 0
 
 
 def test_rejected_drafts_blocks_are_freed_every_step(tiny):
     llm = make_llm(tiny, {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
     engine = llm.engine
-    engine.proposer = WrongProposer(engine)
+    engine.speculator.proposer = WrongProposer(engine)
     base = tokens(make_llm(tiny).generate(PROMPTS, GREEDY, use_tqdm=False))
     ids = [engine.add_request(None, p, GREEDY) for p in PROMPTS]
     kv, done = engine.kv_cache_manager, {}
@@ -171,7 +172,7 @@ def test_rejected_drafts_blocks_are_freed_every_step(tiny):
                 <= blocks_for_tokens(seq.num_tokens, 2)
     assert [[c.token_ids for c in done[i].outputs] for i in ids] == base
     assert all(done[i].metrics.num_spec_accepted == 0 for i in ids)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_held_blocks == 0
 
 
 @pytest.mark.parametrize("max_tokens, max_model_len", [(7, 128), (None, 30)])
@@ -183,7 +184,7 @@ def test_k_is_capped_by_max_tokens_and_max_model_len(tiny, max_tokens, max_model
                    max_model_len=max_model_len)
     oracle = OracleProposer(llm.engine, {tuple(o.prompt_token_ids): o.outputs[0].token_ids
                                          for o in ref})
-    llm.engine.proposer = oracle
+    llm.engine.speculator.proposer = oracle
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert tokens(outs) == tokens(ref)
     limit = max_tokens or max_model_len
@@ -221,7 +222,7 @@ def test_adaptive_rule_stops_a_hopeless_proposer(tiny):
     for adaptive in (False, True):
         llm = make_llm(tiny, {"method": "ngram", "num_speculative_tokens": 4,
                               "adaptive": adaptive})
-        llm.engine.proposer = WrongProposer(llm.engine)
+        llm.engine.speculator.proposer = WrongProposer(llm.engine)
         (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
         runs[adaptive] = out.metrics
     # without the rule every decode verifies (all but the prefill and the last token,
@@ -266,7 +267,7 @@ def test_failed_proposal_stage_is_an_engine_step_error_and_leaves_no_drafts(tiny
     expected = tokens(make_llm(tiny, spec).generate(PROMPTS, GREEDY, use_tqdm=False))
     engine = make_llm(tiny, spec).engine
     ids = [engine.add_request(None, p, GREEDY) for p in PROMPTS]
-    real, calls = engine.proposer.runner.forward, [0]
+    real, calls = engine.speculator.proposer.runner.forward, [0]
 
     def flaky(inputs):
         calls[0] += 1
@@ -274,7 +275,7 @@ def test_failed_proposal_stage_is_an_engine_step_error_and_leaves_no_drafts(tiny
             raise RuntimeError("injected draft failure")
         return real(inputs)
 
-    engine.proposer.runner.forward = flaky
+    engine.speculator.proposer.runner.forward = flaky
     done, failures = {}, 0
     while engine.has_unfinished():
         try:
@@ -282,7 +283,9 @@ def test_failed_proposal_stage_is_an_engine_step_error_and_leaves_no_drafts(tiny
         except EngineStepError as e:
             failures += 1
             assert "proposal stage" in str(e)
-            assert all(not s.spec_token_ids for s in engine.scheduler.running)
+            # drafts are values of one step: a schedule() now sees none of them (the
+            # next step() redoes that unapplied schedule, as after any failed step)
+            assert all(not r.draft_token_ids for r in engine.scheduler.schedule().scheduled)
             continue
         done.update({o.request_id: o for o in outs if o.finished})
     assert failures == 1

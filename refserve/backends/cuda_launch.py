@@ -161,7 +161,7 @@ class _Geometry:
 
 
 def _attention_geometry(out, q, k_cache, v_cache, block_tables, context_lens,
-                        query_start_loc, dtype: str) -> _Geometry:
+                        query_start_loc, dtype: str, num_seqs: int) -> _Geometry:
     _require(dtype in CUDA_TYPES, f"dtype={dtype!r}: choose one of {', '.join(CUDA_TYPES)}")
     item = ITEMSIZE[dtype]
     _require(q.ndim == 3 and out.shape == q.shape,
@@ -184,6 +184,14 @@ def _attention_geometry(out, q, k_cache, v_cache, block_tables, context_lens,
     _check_int_array("block_tables", block_tables, np.int32, 2)
     _check_int_array("context_lens", context_lens, np.int32, 1)
     _check_int_array("query_start_loc", query_start_loc, np.int32, 1)
+    # A kernel indexes these by row with no bounds check of its own: a short array is an
+    # out-of-bounds read with no error message. Shapes only (no device read).
+    rows = len(context_lens)
+    _require(len(query_start_loc) == rows + 1 and block_tables.shape[0] == rows,
+             f"{rows} context_lens need {rows + 1} query_start_loc entries and {rows} "
+             f"block-table rows, got {len(query_start_loc)} and {block_tables.shape[0]}")
+    _require(1 <= num_seqs <= rows, f"num_seqs={num_seqs}: the metadata has {rows} rows")
+    _require(block_tables.shape[1] >= 1, "block_tables needs at least one column")
     return _Geometry(num_heads, head_dim, num_kv_heads, block_size, block_tables.shape[1],
                      q_stride)
 
@@ -203,7 +211,7 @@ def decode_v1_launch(out, q, k_cache, v_cache, block_tables, context_lens, query
                      scale: float, num_seqs: int, dtype: str) -> Launch:
     """Decode sequences 0 .. num_seqs-1 (one query each, at row query_start_loc[s])."""
     g = _attention_geometry(out, q, k_cache, v_cache, block_tables, context_lens,
-                            query_start_loc, dtype)
+                            query_start_loc, dtype, num_seqs)
     return Launch(
         attention_kernel_name("paged_attention_v1_kernel", dtype, g.head_dim),
         (num_seqs, g.num_kv_heads * head_chunks(g.num_heads, g.num_kv_heads), 1),
@@ -233,7 +241,7 @@ def decode_v2_launches(out, q, k_cache, v_cache, block_tables, context_lens,
     grid's z extent); the workspace arrays have `v2_workspace_shapes(...)`, float32.
     """
     g = _attention_geometry(out, q, k_cache, v_cache, block_tables, context_lens,
-                            query_start_loc, dtype)
+                            query_start_loc, dtype, num_seqs)
     shapes = v2_workspace_shapes(num_seqs, g.num_heads, g.head_dim, partitioning.max_partitions)
     for name, a in (("tmp_out", tmp_out), ("max_logits", max_logits), ("exp_sums", exp_sums)):
         _require(a.dtype == np.float32 and tuple(a.shape) == shapes[name]
@@ -264,7 +272,9 @@ def varlen_launch(out, q, k_cache, v_cache, block_tables, context_lens, query_st
                   scale: float, num_seqs: int, token_offset: int, dtype: str) -> Launch:
     """Causal attention of query rows token_offset .. T-1 (prefill chunks, verify)."""
     g = _attention_geometry(out, q, k_cache, v_cache, block_tables, context_lens,
-                            query_start_loc, dtype)
+                            query_start_loc, dtype, num_seqs)
+    _require(num_seqs == len(context_lens), f"varlen_launch covers every row: num_seqs="
+             f"{num_seqs}, the metadata has {len(context_lens)}")
     num_tokens = q.shape[0] - token_offset
     _require(num_tokens > 0, f"varlen_launch: no query rows from token_offset {token_offset}")
     return Launch(

@@ -70,7 +70,7 @@ def _trace(engine, workload, n: int, desc: str) -> list[dict]:
             used += shared + sum(c - shared for c in computed)
             own += sum(blocks_for_tokens(c, bs) for c in computed) * bs
         live = sum(len(v) for v in by_request.values())
-        samples.append({"used": used, "paged": (kv.num_blocks - kv.num_free_blocks) * bs,
+        samples.append({"used": used, "paged": (kv.num_held_blocks) * bs,
                         "naive": live * engine.max_model_len, "no_cow": own})
     bar.close()
     return samples

@@ -224,7 +224,7 @@ class AsyncEngine:
         self.metrics.gauges = {
             "num_requests_running": engine.scheduler.num_running,
             "num_requests_waiting": engine.scheduler.num_waiting,
-            "kv_cache_blocks_used": kv.num_blocks - kv.num_free_blocks,
+            "kv_cache_blocks_used": kv.num_held_blocks,
             "kv_cache_blocks_total": kv.num_blocks,
             "prefix_cache_hit_rate": (stats.get("prefix_cache_hit_tokens", 0) / queried
                                       if queried else 0.0),

@@ -5,21 +5,24 @@ slots each (see docs/architecture.md, "KV cache layout"). The allocator knows no
 tokens or sequences; it only hands out block ids and counts who holds them.
 
 State
-    ref_count[b]   how many block tables hold physical block b (0 = nobody).
-    free queue     every block with ref_count 0, in the order they should be reused:
-                   the head is taken first by `allocate`.
+    ref_count[b]     how many block tables hold physical block b (0 = nobody).
+    available queue  every block with ref_count 0, in the order they should be reused:
+                     the head is taken first by `allocate`.
+
+Words (one meaning each, here and in the KV-cache manager): a block is HELD while its ref
+count is > 0, and AVAILABLE when it is 0. The manager splits the available blocks further
+into EVICTABLE (its KV is still in the prefix cache, a hit can revive it) and FREE (holds
+nothing reusable). The allocator knows nothing of caching, so it only says "available".
 
 Invariants (checked by `check_invariants`)
-    * block b is in the free queue  <=>  ref_count[b] == 0
-    * len(free queue) + #{b : ref_count[b] > 0} == num_blocks
+    * block b is in the available queue  <=>  ref_count[b] == 0
+    * len(available queue) + #{b : ref_count[b] > 0} == num_blocks
 
-A block with ref count 0 is not necessarily empty: with prefix caching its KV may still be
-useful ("evictable": cached but unreferenced). Such a block stays in the free queue, so it
-counts as free, and a prefix-cache hit can revive it by `incref`, which has to pull it out
-of the *middle* of the queue. So the free queue must support three O(1) operations:
+A prefix-cache hit revives an evictable block by `incref`, which has to pull it out of the
+*middle* of the queue. So the available queue must support three O(1) operations:
 
     allocate      pop the head
-    free          push to the tail (or to the head, see `free(..., to_front=True)`)
+    decref        at ref count 0, push to the tail (or the head: `decref(..., to_front=True)`)
     incref        remove an arbitrary block from the middle
 
 A Python list or `collections.deque` cannot remove from the middle in O(1) (`deque.remove`
@@ -42,8 +45,8 @@ class NoFreeBlocksError(RuntimeError):
 class BlockAllocator:
     """Fixed pool of physical block ids 0 .. num_blocks-1 with reference counts.
 
-    Complexity: `allocate`, `free`, `incref`, `ref_count`, `is_free` and
-    `num_free_blocks` are all O(1).
+    Complexity: `allocate`, `decref`, `incref`, `ref_count`, `is_available` and
+    `num_available_blocks` are all O(1).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -51,71 +54,76 @@ class BlockAllocator:
             raise ValueError(f"num_blocks={num_blocks!r}: must be an integer >= 1")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        # Every block starts free. The value is unused; only the key order matters.
-        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Every block starts available. The value is unused; only the key order matters.
+        self._available: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     # ---- queries -------------------------------------------------------------------------
 
     @property
-    def num_free_blocks(self) -> int:
-        """Blocks with ref count 0 (including cached-but-unreferenced, 'evictable' ones)."""
-        return len(self._free_queue)
+    def num_available_blocks(self) -> int:
+        """Blocks with ref count 0 (evictable cached ones included): what allocate can take."""
+        return len(self._available)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks with ref count > 0."""
+        return self.num_blocks - len(self._available)
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
-    def is_free(self, block_id: int) -> bool:
+    def is_available(self, block_id: int) -> bool:
         self._check_id(block_id)
-        return block_id in self._free_queue
+        return block_id in self._available
 
-    def free_block_ids(self) -> Iterator[int]:
-        """The free queue from head (reused first) to tail (reused last)."""
-        return iter(self._free_queue)
+    def available_block_ids(self) -> Iterator[int]:
+        """The available queue from head (reused first) to tail (reused last)."""
+        return iter(self._available)
 
     # ---- mutations -----------------------------------------------------------------------
 
     def allocate(self) -> int:
-        """Take the block at the head of the free queue; its ref count becomes 1.
+        """Take the block at the head of the available queue; its ref count becomes 1.
 
         The caller must drop the block from the prefix cache if it was cached (its old KV
         is about to be overwritten): that is how least-recently-used eviction happens.
         """
-        if not self._free_queue:
+        if not self._available:
             raise NoFreeBlocksError(f"all {self.num_blocks} KV-cache blocks are in use")
-        block_id, _ = self._free_queue.popitem(last=False)
+        block_id, _ = self._available.popitem(last=False)
         self._ref_counts[block_id] = 1
         return block_id
 
     def incref(self, block_id: int) -> None:
         """One more block table holds `block_id` (sharing: fork or a prefix-cache hit).
 
-        If the block was free (a cached, evictable block being revived) it leaves the free
-        queue here, in O(1), wherever it sits in the queue.
+        If the block was available (a cached, evictable block being revived) it leaves the
+        available queue here, in O(1), wherever it sits in the queue.
         """
         self._check_id(block_id)
         if self._ref_counts[block_id] == 0:
-            del self._free_queue[block_id]
+            del self._available[block_id]
         self._ref_counts[block_id] += 1
 
-    def free(self, block_id: int, to_front: bool = False) -> bool:
-        """One block table lets go of `block_id`. Returns True if it became free.
+    def decref(self, block_id: int, to_front: bool = False) -> bool:
+        """One block table lets go of `block_id`. Returns True if it became available.
 
-        When the ref count reaches 0 the block joins the free queue: at the tail by default
-        (reused last, so a cached block stays findable as long as possible), or at the head
-        with `to_front=True` (for blocks whose content is worthless, so they are reused
-        before any cached block is evicted).
+        When the ref count reaches 0 the block joins the available queue: at the tail by
+        default (reused last, so a cached block stays findable as long as possible), or at
+        the head with `to_front=True` (for blocks whose content is worthless, so they are
+        reused before any cached block is evicted).
         """
         self._check_id(block_id)
-        # BEGIN EXERCISE allocator_free: refuse a double free; decref; at 0 join the free queue
+        # BEGIN EXERCISE allocator_decref: refuse a decref at 0; decref; at 0 join the queue's tail
         if self._ref_counts[block_id] == 0:
-            raise ValueError(f"block {block_id} is already free (ref count 0): double free")
+            raise ValueError(f"block {block_id} is not held (ref count 0): a double release")
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] > 0:
             return False
-        self._free_queue[block_id] = None  # appended at the tail
+        self._available[block_id] = None  # appended at the tail
         if to_front:
-            self._free_queue.move_to_end(block_id, last=False)
+            self._available.move_to_end(block_id, last=False)
         return True
         # END EXERCISE
 
@@ -127,22 +135,22 @@ class BlockAllocator:
                 f"block {block_id!r} does not exist (valid ids: 0..{self.num_blocks - 1})")
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the free queue and the ref counts disagree."""
+        """Raise AssertionError if the available queue and the ref counts disagree."""
         for block_id, count in enumerate(self._ref_counts):
             if count < 0:
                 raise AssertionError(f"block {block_id} has negative ref count {count}")
-            if (count == 0) != (block_id in self._free_queue):
+            if (count == 0) != (block_id in self._available):
                 raise AssertionError(
                     f"block {block_id}: ref count {count} but "
-                    f"{'in' if block_id in self._free_queue else 'not in'} the free queue")
-        referenced = sum(1 for count in self._ref_counts if count > 0)
-        if len(self._free_queue) + referenced != self.num_blocks:
+                    f"{'in' if block_id in self._available else 'not in'} the available queue")
+        held = sum(1 for count in self._ref_counts if count > 0)
+        if len(self._available) + held != self.num_blocks:
             raise AssertionError(
-                f"free {len(self._free_queue)} + referenced {referenced} != {self.num_blocks}")
+                f"available {len(self._available)} + held {held} != {self.num_blocks}")
 
     def __repr__(self) -> str:
         return (f"BlockAllocator(num_blocks={self.num_blocks}, "
-                f"free={list(self._free_queue)}, ref_counts={self._ref_counts})")
+                f"available={list(self._available)}, ref_counts={self._ref_counts})")
 
 
 if __name__ == "__main__":
@@ -152,8 +160,8 @@ if __name__ == "__main__":
     print(f"allocate -> {a}, {b}: ", allocator)
     allocator.incref(a)
     print(f"incref({a}) (shared):", allocator)
-    allocator.free(a)
-    allocator.free(b)
-    print(f"free({a}), free({b}):", allocator, f"<- {b} back at the tail, {a} still held")
-    allocator.free(a, to_front=True)
-    print(f"free({a}, to_front):", allocator)
+    allocator.decref(a)
+    allocator.decref(b)
+    print(f"decref({a}), decref({b}):", allocator, f"<- {b} back at the tail, {a} still held")
+    allocator.decref(a, to_front=True)
+    print(f"decref({a}, to_front):", allocator)

@@ -19,7 +19,7 @@ A typical life:
     seq.num_computed_tokens += n                                  # scheduler, after the step
     manager.cache_full_blocks(seq)                                # newly full blocks findable
     ...
-    manager.free(seq)                                             # finished or preempted
+    manager.release(seq)                                          # finished or preempted
 
 Copy-on-write. Blocks are shared (ref count > 1) after `fork` (parallel sampling: children
 share the prompt) and after prefix-cache hits. A shared block must never be written, or the
@@ -29,9 +29,16 @@ backend to copy, and drops one reference from the old block. The last holder (re
 writes in place. Hit blocks are never written (writes start after them), so in practice a
 copy happens for the partly filled last block of a forked sequence.
 
+The pool, in three words (one meaning each):
+    held       ref count > 0: some block table holds it
+    evictable  ref count 0, but its KV is still in the prefix cache: a hit revives it, an
+               allocation that reaches it evicts it (least recently released first)
+    free       ref count 0 and nothing reusable in it
+    held + evictable + free == num_blocks; an allocation can take evictable + free
+    (`num_available_blocks`), so a full cache never blocks a new request.
+
 Invariants (`check_invariants`):
-    * every block is either free (ref count 0) or referenced, never both;
-      free + referenced == num_blocks
+    * held + evictable + free == num_blocks, and the evictable count is exact
     * ref count of a block == number of block tables that hold it
     * a table never holds the same block twice
     * a block is cached under at most one key, and the cache maps are inverse
@@ -74,18 +81,42 @@ class KVCacheManager:
         # Nothing is counted when prefix caching is disabled.
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self._num_evictable = 0  # available blocks that are cached (kept exact, O(1))
+        # The most blocks held at once, since start-up and since the last `reset_peak` (one
+        # generate() call). Held blocks only grow inside allocate_slots, so it is exact.
+        self.num_held_blocks_peak = 0
+        self.num_held_blocks_peak_since_reset = 0
+        self.num_evictions = 0  # cached blocks whose KV was dropped to reuse the block
 
     # ---- queries -------------------------------------------------------------------------
 
     @property
+    def num_held_blocks(self) -> int:
+        """Blocks some block table holds (ref count > 0)."""
+        return self.allocator.num_held_blocks
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks no table holds whose KV is still cached: a prefix hit can revive them."""
+        return self._num_evictable
+
+    @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take: truly free plus evictable (cached, ref count 0)."""
-        return self.allocator.num_free_blocks
+        """Blocks no table holds and the cache does not need."""
+        return self.allocator.num_available_blocks - self._num_evictable
+
+    @property
+    def num_available_blocks(self) -> int:
+        """What an allocation can take: free + evictable blocks."""
+        return self.allocator.num_available_blocks
 
     def usage(self) -> float:
-        """Fraction of the pool referenced by some sequence (evictable blocks count as
-        free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of the pool held by some sequence (evictable blocks are not held)."""
+        return self.num_held_blocks / self.num_blocks
+
+    def reset_peak(self) -> None:
+        """Start a new window for `num_held_blocks_peak_since_reset`."""
+        self.num_held_blocks_peak_since_reset = self.num_held_blocks
 
     def has_sequence(self, seq_id: int) -> bool:
         return seq_id in self._tables
@@ -159,8 +190,8 @@ class KVCacheManager:
         written = range(start // self.block_size, blocks_after) if end > start else range(0)
         cow = [logical for logical in written
                if logical < len(held) and self.allocator.ref_count(held[logical]) > 1]
-        # Reviving an evictable hit block takes it out of the free pool: it is counted in
-        # num_free_blocks, so it must be paid for here, not counted twice.
+        # Reviving an evictable hit block takes it out of the available blocks: it is
+        # counted in num_available_blocks, so it must be paid for here.
         revived = sum(1 for block_id in attach if self.allocator.ref_count(block_id) == 0)
         return attach, start, end, cow, revived + num_new_blocks + len(cow)
 
@@ -168,12 +199,12 @@ class KVCacheManager:
                      computed_blocks: SequenceOf[int] = ()) -> bool:
         """Whether allocate_slots(seq, num_new_tokens, computed_blocks) would succeed.
 
-        Needed free blocks = new blocks + copy-on-write copies + computed blocks that are
-        now evictable (ref count 0): those are counted in num_free_blocks, and attaching
-        them takes them out of the free pool.
+        Needed available blocks = new blocks + copy-on-write copies + computed blocks that
+        are now evictable (ref count 0): those are counted in num_available_blocks, and
+        attaching them takes them out.
         """
         *_, needed = self._plan(seq, num_new_tokens, computed_blocks)
-        return needed <= self.num_free_blocks
+        return needed <= self.num_available_blocks
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed_blocks: SequenceOf[int] = ()) -> list[tuple[int, int]]:
@@ -187,18 +218,20 @@ class KVCacheManager:
         forward. Atomic: if the pool is short, raises NoFreeBlocksError and changes nothing.
         """
         attach, start, end, cow, needed = self._plan(seq, num_new_tokens, computed_blocks)
-        if needed > self.num_free_blocks:
+        if needed > self.num_available_blocks:
             raise NoFreeBlocksError(
-                f"sequence {seq.seq_id} needs {needed} free blocks for positions "
-                f"[{start}, {end}), only {self.num_free_blocks} left")
-        # From here on nothing can fail: the plan fits in the free pool.
+                f"sequence {seq.seq_id} needs {needed} blocks for positions [{start}, {end}),"
+                f" only {self.num_available_blocks} are free or evictable")
+        # From here on nothing can fail: the plan fits in the available blocks.
 
         table = self._tables.get(seq.seq_id)
         if table is None:
             table = self._tables[seq.seq_id] = BlockTable(self.block_size)
             self._block_keys[seq.seq_id] = []
             for block_id in attach:
-                self.allocator.incref(block_id)  # revives it if it was evictable
+                if self.allocator.ref_count(block_id) == 0:
+                    self._num_evictable -= 1  # revived: evictable -> held
+                self.allocator.incref(block_id)
                 table.append(block_id)
                 self._block_keys[seq.seq_id].append(self.prefix_cache.key_of(block_id))
             if self.enable_prefix_caching:
@@ -208,34 +241,34 @@ class KVCacheManager:
         copies: list[tuple[int, int]] = []
         for logical in cow:
             # BEGIN EXERCISE copy_on_write: private block for a shared one; drop a ref; (src, dst)
-            new_block = self._take_free_block()
+            new_block = self._take_block()
             old_block = table.replace(logical, new_block)
-            self.allocator.free(old_block)  # ref count > 1, so it stays held by the others
+            self.allocator.decref(old_block)  # ref count > 1: the others still hold it
             copies.append((old_block, new_block))
             # END EXERCISE
 
-        # A block being written is no longer "full with computed KV" for this sequence. In
-        # normal operation writes start after the hashed blocks and this does nothing; it
-        # matters only if a caller rewinds num_computed_tokens (e.g. speculative decoding
-        # rejecting tokens), so the cache never advertises KV that is being overwritten.
-        keys = self._block_keys[seq.seq_id]
-        first_written = start // self.block_size
-        if end > start and first_written < len(keys):
-            for logical in range(first_written, min(len(keys), len(table))):
-                block_id = table[logical]
-                if self.allocator.ref_count(block_id) == 1:  # shared ones were copied above
-                    self.prefix_cache.evict(block_id)
-            del keys[first_written:]
+        # Writes never reach a hashed block: hashed blocks hold only computed positions
+        # (cache_full_blocks), and speculative rollback un-computes only positions past
+        # the last accepted token, which no hashed block holds.
+        assert end <= start or start >= len(self._block_keys[seq.seq_id]) * self.block_size, (
+            f"sequence {seq.seq_id} writes position {start} inside its hashed blocks")
 
         for _ in range(table.num_new_blocks(end)):
-            table.append(self._take_free_block())
+            table.append(self._take_block())
+        held = self.num_held_blocks
+        self.num_held_blocks_peak = max(self.num_held_blocks_peak, held)
+        self.num_held_blocks_peak_since_reset = max(self.num_held_blocks_peak_since_reset,
+                                                    held)
         return copies
 
-    def _take_free_block(self) -> int:
-        """Allocate from the head of the free queue; if that block was an evictable cached
-        block, this is where it is evicted (least recently freed first)."""
+    def _take_block(self) -> int:
+        """Allocate from the head of the available queue; if that block was an evictable
+        cached block, this is where it is evicted (least recently released first)."""
         block_id = self.allocator.allocate()
-        self.prefix_cache.evict(block_id)
+        if self.prefix_cache.is_cached(block_id):
+            self.prefix_cache.evict(block_id)
+            self._num_evictable -= 1
+            self.num_evictions += 1
         return block_id
 
     def _check_computed_blocks(self, seq: Sequence, blocks: list[int]) -> None:
@@ -274,33 +307,35 @@ class KVCacheManager:
         self._tables[child_seq.seq_id] = parent_table.copy()
         self._block_keys[child_seq.seq_id] = list(self._block_keys[parent_seq.seq_id])
 
-    def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks (finished, aborted or preempted). No-op if it holds
-        none.
+    def release(self, seq: Sequence) -> None:
+        """Give back the sequence's blocks (finished, aborted or preempted): each loses one
+        reference. No-op if it holds none.
 
         Tail-first: the last logical block is released first, so among this sequence's
-        cached blocks the deepest one (least reusable) is nearest the head of the free queue
-        and evicted first. Uncached blocks hold nothing reusable and go to the head, so they
-        are reused before any cached block is evicted.
+        cached blocks the deepest one (least reusable) is nearest the head of the available
+        queue and evicted first. Uncached blocks hold nothing reusable and go to the head,
+        so they are reused before any cached block is evicted.
         """
         table = self._tables.pop(seq.seq_id, None)
         self._block_keys.pop(seq.seq_id, None)
         if table is None:
             return
         for block_id in reversed(table.block_ids):
-            self.allocator.free(block_id, to_front=not self.prefix_cache.is_cached(block_id))
+            cached = self.prefix_cache.is_cached(block_id)
+            if self.allocator.decref(block_id, to_front=not cached) and cached:
+                self._num_evictable += 1  # held -> evictable
 
     def trim(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Speculative rollback: free the sequence's trailing blocks beyond
-        blocks_for_tokens(num_tokens), tail first; returns the freed block ids.
+        """Speculative rollback: release the sequence's trailing blocks beyond
+        blocks_for_tokens(num_tokens), tail first; returns their ids.
 
         After a verify step the rejected drafts' K/V slots are dead (the scheduler already
         un-computed them), and a block holding only such slots would sit unused. Rules:
           * num_tokens must be >= seq.num_computed_tokens: a block holding a computed
-            position is never freed;
-          * a freed block was never hashed (only computed full blocks are, and it holds no
-            computed position), so the prefix cache never advertises rejected K/V; it goes
-            to the head of the free queue, to be reused first;
+            position is never released;
+          * a released block was never hashed (only computed full blocks are, and it holds
+            no computed position), so the prefix cache never advertises rejected K/V; it
+            goes to the head of the available queue, to be reused first;
           * a block shared with a sibling (ref count > 1) only loses this reference.
         """
         if num_tokens < seq.num_computed_tokens:
@@ -310,15 +345,15 @@ class KVCacheManager:
         keep = blocks_for_tokens(num_tokens, self.block_size)
         if len(table) <= keep:
             return []
-        freed = table.block_ids[keep:]
+        dropped = table.block_ids[keep:]
         self._tables[seq.seq_id] = BlockTable(self.block_size, table.array[:keep])
-        for block_id in reversed(freed):  # tail first
+        for block_id in reversed(dropped):  # tail first
             assert (self.allocator.ref_count(block_id) > 1
                     or not self.prefix_cache.is_cached(block_id)), \
                 f"block {block_id} is cached but holds no computed position of {seq.seq_id}"
-            self.allocator.free(block_id, to_front=True)
+            self.allocator.decref(block_id, to_front=True)
         del self._block_keys[seq.seq_id][keep:]
-        return freed
+        return dropped
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Make the sequence's newly full, computed blocks findable by the prefix cache.
@@ -374,12 +409,19 @@ class KVCacheManager:
                     f"held by {count} block tables")
         if not self.enable_prefix_caching and len(self.prefix_cache):
             raise AssertionError("prefix caching is disabled but blocks are cached")
+        evictable = sum(1 for b in self.allocator.available_block_ids()
+                        if self.prefix_cache.is_cached(b))
+        if evictable != self._num_evictable:
+            raise AssertionError(f"{evictable} evictable blocks, but counted "
+                                 f"{self._num_evictable}")
+        if self.num_held_blocks > self.num_held_blocks_peak:
+            raise AssertionError("more blocks held than the recorded peak")
 
     def __repr__(self) -> str:
         tables = {seq_id: t.block_ids for seq_id, t in self._tables.items()}
         return (f"KVCacheManager(blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"free={self.num_free_blocks}, cached={len(self.prefix_cache)}, "
-                f"tables={tables})")
+                f"held={self.num_held_blocks}, evictable={self.num_evictable_blocks}, "
+                f"free={self.num_free_blocks}, tables={tables})")
 
 
 if __name__ == "__main__":
@@ -404,6 +446,6 @@ if __name__ == "__main__":
     print("c writes position 10 -> copies", manager.allocate_slots(c, 1))
     print("                        ", manager)
     for seq in (a, b, c):
-        manager.free(seq)
-    print("all freed:              ", manager)
-    print("free queue (head first):", list(manager.allocator.free_block_ids()))
+        manager.release(seq)
+    print("all released:           ", manager)
+    print("available queue (head first):", list(manager.allocator.available_block_ids()))

@@ -20,14 +20,14 @@ never a wrong hit. The comparison stops as soon as both chains reach the same pa
 which is the common case, because a sequence builds each key on top of the key object
 stored in the cache.
 
-Lifetime and eviction (least recently used). A cached block is *referenced* while some block
+Lifetime and eviction (least recently used). A cached block is *held* while some block
 table holds it, and *evictable* once its ref count drops to 0: it then sits in the
-allocator's free queue but stays findable here, so a later hit can revive it. Only when the
-allocator hands the block out again (from the head of the free queue) does the
-KVCacheManager call `evict`, dropping it from the cache. Freed cached blocks join the free
-queue at the tail, so the block evicted first is the one released longest ago: LRU. A
-sequence frees its blocks tail-first, so its deepest block (the least reusable: only a
-prefix that long can hit it) is evicted before the shallower ones.
+allocator's available queue but stays findable here, so a later hit can revive it. Only
+when the allocator hands the block out again (from the head of the available queue) does
+the KVCacheManager call `evict`, dropping it from the cache. Released cached blocks join the
+available queue at the tail, so the block evicted first is the one released longest ago:
+LRU. A sequence releases its blocks tail-first, so its deepest block (the least reusable:
+only a prefix that long can hit it) is evicted before the shallower ones.
 """
 
 from __future__ import annotations

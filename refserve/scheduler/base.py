@@ -7,7 +7,8 @@ lives here:
     ADVANCE  running sequences, oldest first. Each gets
                  n = min(tokens left to compute, budget_left)
              tokens: 1 for a decode, the next chunk of an unfinished prefill (chunked
-             prefill), 1 + k for a speculative verify. Its KV slots come from
+             prefill), 1 + k for a speculative verify (the drafts of this step's proposals
+             that fit the budget: scheduler/drafts.py). Its KV slots come from
              `kv_cache_manager.allocate_slots`.
     PREEMPT  while the pool cannot serve a running sequence (`kv.can_allocate` is False),
              the NEWEST running sequence is preempted (recompute: its blocks are freed, it
@@ -15,9 +16,11 @@ lives here:
              prefilled again when readmitted). The newest may be the sequence itself. Why
              the newest: it has the least computed work to lose and arrived last, so the
              oldest requests keep making progress and nobody starves.
-    UPDATE   (after the model ran) advance num_computed_tokens, hash newly full blocks for
-             the prefix cache, append sampled tokens, check the stop rules and RETIRE
-             finished sequences, which leave the running batch in the same step.
+    UPDATE   (after the model ran) advance num_computed_tokens, append sampled tokens one
+             by one under the stop rules (stop_rules.py), roll back what was not kept,
+             hash newly full blocks for the prefix cache and RETIRE finished sequences,
+             which leave the running batch in the same step. `update` is the ONLY place a
+             sequence finishes (abort, the user's call, is the only other way out).
 
 Limits of one step (both hold for every `SchedulerOutput`):
 
@@ -34,11 +37,21 @@ from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Mapping
 
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.scheduler.fits import append_tokens, check_fits
-from refserve.scheduler.output import SampledTokens, ScheduledSequence, SchedulerOutput
+from refserve.scheduler.drafts import Proposal, count_verified, drafts_that_fit, roll_back
+from refserve.scheduler.fits import check_fits
+from refserve.scheduler.output import (
+    SampledTokens,
+    ScheduledSequence,
+    SchedulerOutput,
+    StepUpdate,
+)
+from refserve.scheduler.stop_rules import append_tokens
 from refserve.sequence import Sequence, SequenceStatus
+
+NO_PROPOSALS: Mapping[int, Proposal] = {}
 
 
 class SchedulerBase:
@@ -51,8 +64,6 @@ class SchedulerBase:
       * finished sequences are in neither queue (static batching keeps them in `padding`
         until their batch ends).
     """
-
-    batching = ""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
@@ -138,25 +149,9 @@ class SchedulerBase:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
-            self._free(seq)
+            self._release_blocks(seq)
             self._on_running_left()
         seq.status = SequenceStatus.FINISHED_ABORTED
-        return seq
-
-    def finish(self, seq_id: int, status: SequenceStatus) -> Sequence | None:
-        """Retire a sequence the engine decided is done (a stop string): like a finish found
-        by `update`. Returns the sequence, or None if no unfinished sequence has this id."""
-        if not status.is_finished:
-            raise ValueError(f"finish() needs a finished status, got {status}")
-        seq = self._by_id.get(seq_id)
-        if seq is None:
-            return None
-        if seq.status is SequenceStatus.WAITING:
-            del self._by_id[seq_id]
-            self.waiting.remove(seq)
-            seq.status = status
-        else:
-            self._retire(seq, status)
         return seq
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -203,28 +198,32 @@ class SchedulerBase:
 
     # ---- one step -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
+        """One step's decision. `proposals`: this step's drafts by seq_id (the propose
+        stage's result; empty without speculation)."""
         raise NotImplementedError
 
     def update(self, output: SchedulerOutput,
-               sampled: SampledTokens | dict[int, list[int]]) -> list[Sequence]:
-        """Apply one computed step; return the sequences retired by it.
+               sampled: SampledTokens | dict[int, list[int]]) -> StepUpdate:
+        """Apply one computed step; return what it decided (a `StepUpdate`).
 
         `output` must be the latest `schedule()` result; one that was never applied (its
         forward or sampling failed) is abandoned by the next `schedule()`, which redoes its
         work. `sampled` is a `SampledTokens` (or just its `token_ids` dict).
 
         First the children of parallel-sampling parents are forked (`fork_token_ids`); they
-        are listed in `output.forked`. Then, for each scheduled, non-padding sequence:
+        are listed in `StepUpdate.forked`. Then, for each scheduled, non-padding sequence:
 
-            num_computed_tokens += num_tokens        (a chunk or a plain decode)
-            append the sampled token(s); stop rules
+            num_computed_tokens += num_tokens        (a chunk, a decode or a verify)
+            append the sampled token(s) one by one under the stop rules (stop_rules.py):
+                a stop inside a verify row's run drops the tokens after it
             num_computed_tokens = min(that, num_tokens - 1)   after a sampling row: the
-                last appended token has no K/V yet; after a speculative verify this also
-                drops the rejected drafts' K/V (their slots are overwritten later)
+                last appended token has no K/V yet; after a verify row `drafts.roll_back`
+                also drops the K/V of what was not kept (rejected drafts, tokens after a
+                stop) and the blocks that held only those slots
 
         newly full blocks go to the prefix cache, and a retired sequence leaves `running`
-        and (continuous batching) frees its blocks now. Sequences aborted or finished after
+        and (continuous batching) releases its blocks now. Sequences aborted after
         `schedule()` are skipped.
         """
         if output.scheduled and output is not self._pending:
@@ -243,6 +242,7 @@ class SchedulerBase:
                     and seq.seq_id not in token_ids):
                 raise KeyError(f"update(): no sampled token for sequence {seq.seq_id}")
         # Checked: from here on the step is applied.
+        result = StepUpdate()
         for parent_id, child_tokens in sampled.fork_token_ids.items():
             parent = self._by_id.get(parent_id)
             if parent is None or parent.status is not SequenceStatus.RUNNING:
@@ -252,32 +252,35 @@ class SchedulerBase:
                 child.child_index = index
                 self.fork(parent, child)
                 token_ids[child.seq_id] = [token]
-                output.forked.append(child)
+                result.forked.append(child)
         self._pending = None
         riders, self._riders = self._riders, {}
-        retired: list[Sequence] = []
         for row in output.scheduled:
             if row.is_padding:
                 continue
             for seq in [row.seq, *riders.get(row.seq.seq_id, [])]:
                 if seq.status is not SequenceStatus.RUNNING:
-                    continue  # aborted or finished since schedule()
+                    continue  # aborted since schedule()
                 seq.num_computed_tokens += row.num_tokens
                 status = None
                 if row.samples:
-                    seq.spec_token_ids.clear()
-                    status = append_tokens(seq, token_ids[seq.seq_id], self.eos_token_id,
-                                           self.max_model_len)
-                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-                    if row.num_logits > 1:
-                        # Speculative rollback: blocks holding only rejected drafts' slots
-                        # go back to the pool (the next step re-allocates what it needs).
-                        self.kv_cache_manager.trim(seq, seq.num_tokens)
+                    emitted = token_ids[seq.seq_id]
+                    before = seq.num_output_tokens
+                    status = append_tokens(seq, emitted, self.eos_token_id, self.max_model_len)
+                    kept = seq.output_token_ids[before:]
+                    result.appended[seq.seq_id] = kept
+                    if row.draft_token_ids:
+                        roll_back(seq, self.kv_cache_manager)
+                        result.verified[seq.seq_id] = count_verified(
+                            len(row.draft_token_ids), len(emitted), len(kept))
+                    else:  # the token just sampled has no K/V yet
+                        seq.num_computed_tokens = min(seq.num_computed_tokens,
+                                                      seq.num_tokens - 1)
                 self.kv_cache_manager.cache_full_blocks(seq)
                 if status is not None:
                     self._retire(seq, status)
-                    retired.append(seq)
-        return retired
+                    result.retired.append(seq)
+        return result
 
     # ---- building blocks of schedule() --------------------------------------------------
 
@@ -301,6 +304,14 @@ class SchedulerBase:
         return out
 
     def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        if not out.scheduled and self.has_unfinished():
+            # Cannot happen while add_sequence keeps every prompt within the pool; fail
+            # loudly rather than let a caller's `while has_unfinished()` spin forever.
+            raise RuntimeError(
+                f"the scheduler could schedule nothing with {self.num_waiting} waiting and "
+                f"{self.num_running} running sequences ({kv.num_available_blocks} of "
+                f"{kv.num_blocks} blocks free or evictable)")
         out.num_batched_tokens = sum(row.num_tokens for row in out.scheduled)
         assert out.num_batched_tokens <= self.max_num_batched_tokens
         assert self.num_seats_used <= self.max_num_seqs
@@ -309,8 +320,10 @@ class SchedulerBase:
         out.max_num_batched_tokens = self.max_num_batched_tokens
         out.num_seats_used = self.num_seats_used
         out.max_num_seqs = self.max_num_seqs
-        out.num_free_blocks = self.kv_cache_manager.num_free_blocks
-        out.num_blocks = self.kv_cache_manager.num_blocks
+        out.num_held_blocks = kv.num_held_blocks
+        out.num_evictable_blocks = kv.num_evictable_blocks
+        out.num_free_blocks = kv.num_free_blocks
+        out.num_blocks = kv.num_blocks
         padding = sum(row.is_padding for row in out.scheduled)
         self.slot_steps_used += len(out.scheduled) - padding
         self.slot_steps_wasted += padding
@@ -319,30 +332,32 @@ class SchedulerBase:
             self._pending = out
         return out
 
-    def _advance(self, out: SchedulerOutput, budget: int) -> int:
+    def _advance(self, out: SchedulerOutput, budget: int,
+                 proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> int:
         """ADVANCE every running sequence, oldest first, while budget is left; a sequence
         the pool cannot serve preempts the newest running ones. Returns the budget left."""
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_tokens = self._schedule_or_preempt(seq, budget, out)
+            proposal = proposals.get(seq.seq_id)
+            drafts = proposal.token_ids if proposal is not None else ()
+            num_tokens = self._schedule_or_preempt(seq, budget, out, drafts)
             if num_tokens is None:
                 break  # seq preempted itself: it was the newest, nobody runs after it
             budget -= num_tokens
             index += 1
         return budget
 
-    def _schedule_or_preempt(self, seq: Sequence, budget: int,
-                             out: SchedulerOutput) -> int | None:
-        """Give running `seq` its next tokens, preempting the NEWEST running sequence while
-        the pool is short. Returns the tokens scheduled (>= 1), or None if seq itself was
-        the one preempted."""
-        num_tokens, computed_blocks = self._plan_row(seq, budget)
+    def _schedule_or_preempt(self, seq: Sequence, budget: int, out: SchedulerOutput,
+                             drafts: tuple[int, ...] = ()) -> int | None:
+        """Give running `seq` its next tokens (and the `drafts` that fit), preempting the
+        NEWEST running sequence while the pool is short. Returns the tokens scheduled
+        (>= 1), or None if seq itself was the one preempted."""
+        num_tokens, computed_blocks, verify = self._plan_row(seq, budget, drafts)
         while not self.kv_cache_manager.can_allocate(seq, num_tokens, computed_blocks):
-            if seq.spec_token_ids:
-                # Speculation is optional: drop seq's drafts before preempting anyone.
-                seq.spec_token_ids.clear()
-                num_tokens, computed_blocks = self._plan_row(seq, budget)
+            if verify:
+                # Speculation is optional: verify no drafts before preempting anyone.
+                num_tokens, computed_blocks, verify = self._plan_row(seq, budget)
                 continue
             # BEGIN EXERCISE scheduler_preempt: preempt the NEWEST running sequence (maybe seq)
             victim = self.running[-1]  # the newest running sequence
@@ -356,14 +371,17 @@ class SchedulerBase:
             if victim is seq:
                 return None
             # END EXERCISE
-        return self._schedule_row(seq, num_tokens, computed_blocks, out)
+        return self._schedule_row(seq, num_tokens, computed_blocks, out, verify)
 
-    def _plan_row(self, seq: Sequence, budget: int) -> tuple[int, list[int]]:
-        """How many tokens `seq` computes next under `budget`, and (on its first allocation
-        after (re)admission) the prefix-cache hit blocks it reuses. Changes nothing, except
-        that draft tokens that do not fit the budget are dropped (speculation is optional).
+    def _plan_row(self, seq: Sequence, budget: int, drafts: tuple[int, ...] = ()
+                  ) -> tuple[int, list[int], tuple[int, ...]]:
+        """How many tokens `seq` computes next under `budget`; on its first allocation
+        after (re)admission, the prefix-cache hit blocks it reuses; and which of `drafts`
+        it verifies (the ones that fit the budget, `drafts.drafts_that_fit`). Pure: changes
+        nothing.
 
-        Tokens left = num_tokens + len(spec_token_ids) - num_computed_tokens - hit tokens.
+        Real tokens left = num_tokens - num_computed_tokens - hit tokens; the row computes
+        min(real tokens left, budget) of them, then the drafts that fit.
         """
         kv = self.kv_cache_manager
         computed_blocks: list[int] = []
@@ -371,16 +389,16 @@ class SchedulerBase:
         if seq.seq_id not in self._holding:
             computed_blocks, hit_tokens = kv.get_computed_blocks(seq)
         real_left = seq.num_tokens - seq.num_computed_tokens - hit_tokens
-        if seq.spec_token_ids and real_left + len(seq.spec_token_ids) > budget:
-            del seq.spec_token_ids[max(0, budget - real_left):]
-        num_tokens = min(real_left + len(seq.spec_token_ids), budget)
+        verify = drafts[:drafts_that_fit(len(drafts), real_left, budget)]
+        num_tokens = min(real_left, budget) + len(verify)
         assert num_tokens >= 1, f"{seq} has nothing left to compute"
-        return num_tokens, computed_blocks
+        return num_tokens, computed_blocks, verify
 
     def _schedule_row(self, seq: Sequence, num_tokens: int, computed_blocks: list[int],
-                      out: SchedulerOutput) -> int:
+                      out: SchedulerOutput, drafts: tuple[int, ...] = ()) -> int:
         """Allocate KV slots for seq's next `num_tokens` tokens (the pool was checked) and
-        add its row. Prefix-cache hit tokens count as computed and are not scheduled."""
+        add its row, verifying `drafts` after the real tokens. Prefix-cache hit tokens count
+        as computed and are not scheduled."""
         kv = self.kv_cache_manager
         first = seq.seq_id not in self._holding
         copies = kv.allocate_slots(seq, num_tokens, computed_blocks=computed_blocks)
@@ -388,29 +406,27 @@ class SchedulerBase:
             hit_tokens = len(computed_blocks) * kv.block_size
             self._holding.add(seq.seq_id)
             seq.num_computed_tokens += hit_tokens
-            if seq.num_preemptions == 0:
+            if seq.num_cached_tokens is None:  # vLLM's: the hit of the FIRST scheduling
                 seq.num_cached_tokens = hit_tokens
         start = seq.num_computed_tokens
         end = start + num_tokens
-        # Logits are needed for the rows at or after the last real token, once the row
-        # reaches the end of token_ids + spec_token_ids.
-        total = seq.num_tokens + len(seq.spec_token_ids)
+        # Logits are needed for the positions at or after the last real token, once the
+        # row reaches the end of token_ids + its drafts.
+        total = seq.num_tokens + len(drafts)
         num_logits = end - max(start, seq.num_tokens - 1) if end == total else 0
         out.block_copies.extend(copies)
         out.scheduled.append(ScheduledSequence(
             seq, num_tokens, start, num_logits=num_logits,
-            block_ids=list(kv.get_block_ids(seq.seq_id))))
+            block_ids=list(kv.get_block_ids(seq.seq_id)), draft_token_ids=tuple(drafts)))
         return num_tokens
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Preemption by recompute: free every block, forget the computed KV, and put the
-        sequence at the HEAD of the waiting queue. Its tokens (prompt and output so far)
-        stay in seq.token_ids and are prefilled again on readmission; draft tokens are
-        dropped."""
+        """Preemption by recompute: release every block, forget the computed KV, and put
+        the sequence at the HEAD of the waiting queue. Its tokens (prompt and output so far)
+        stay in seq.token_ids and are prefilled again on readmission."""
         self.running.remove(seq)
-        self._free(seq)
+        self._release_blocks(seq)
         seq.num_computed_tokens = 0
-        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -419,22 +435,23 @@ class SchedulerBase:
         self._on_running_left()
 
     def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
-        """RETIRE: a finished sequence leaves the running batch in the step it finished."""
+        """RETIRE (called by `update` only): a finished sequence leaves the running batch
+        in the step it finished."""
         seq.status = status
-        seq.spec_token_ids.clear()
         self.running.remove(seq)
         del self._by_id[seq.seq_id]
-        self._release(seq)
+        self._on_retired(seq)
         self._on_running_left()
 
-    def _release(self, seq: Sequence) -> None:
-        """What happens to a retired sequence's blocks: continuous batching frees them now."""
-        self._free(seq)
+    def _on_retired(self, seq: Sequence) -> None:
+        """Hook: what happens to a retired sequence's blocks. Continuous batching releases
+        them now (static batching keeps them until its batch ends)."""
+        self._release_blocks(seq)
 
     def _on_running_left(self) -> None:
         """Hook: a sequence just left `running` (retired, aborted or preempted)."""
 
-    def _free(self, seq: Sequence) -> None:
+    def _release_blocks(self, seq: Sequence) -> None:
         if seq.seq_id in self._holding:
             self._holding.discard(seq.seq_id)
-            self.kv_cache_manager.free(seq)
+            self.kv_cache_manager.release(seq)

@@ -18,7 +18,10 @@ step, so their seats are refilled by the very next `schedule()`.
 
 from __future__ import annotations
 
-from refserve.scheduler.base import SchedulerBase
+from collections.abc import Mapping
+
+from refserve.scheduler.base import NO_PROPOSALS, SchedulerBase
+from refserve.scheduler.drafts import Proposal
 from refserve.scheduler.output import SchedulerOutput
 from refserve.sequence import SequenceStatus
 
@@ -28,11 +31,12 @@ class Scheduler(SchedulerBase):
 
     batching = "continuous"
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
         """ADVANCE running sequences (preempting the newest when the pool is short), then
-        ADMIT waiting ones, unless this step preempted."""
+        ADMIT waiting ones, unless this step preempted. `proposals`: this step's drafts by
+        seq_id (speculative decoding; they ride the rows they fit, scheduler/drafts.py)."""
         out = self._begin_step()
-        budget = self._advance(out, self.max_num_batched_tokens)
+        budget = self._advance(out, self.max_num_batched_tokens, proposals)
         if not out.preempted:
             self._admit(out, budget)
         return self._end_step(out)
@@ -52,7 +56,7 @@ class Scheduler(SchedulerBase):
             seq = self.waiting[0]
             if seats_used + seq.num_seats > self.max_num_seqs:
                 break
-            num_tokens, computed_blocks = self._plan_row(seq, budget)
+            num_tokens, computed_blocks, _ = self._plan_row(seq, budget)
             if not self.kv_cache_manager.can_allocate(seq, num_tokens, computed_blocks):
                 break
             self._schedule_row(seq, num_tokens, computed_blocks, out)

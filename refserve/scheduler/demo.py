@@ -32,7 +32,7 @@ def run_stub(scheduler: SchedulerBase, requests: list[tuple[str, int, int]],
         out = scheduler.schedule()
         sampled = {row.seq.seq_id: [stub_next_token(row.seq.request_id, row.end)]
                    for row in out.scheduled if row.samples}
-        retired = scheduler.update(out, sampled)
+        retired = scheduler.update(out, sampled).retired
         if verbose:
             print(out)
             for seq in retired:

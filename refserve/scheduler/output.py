@@ -1,8 +1,9 @@
-"""What one scheduler step decides (`SchedulerOutput`), row by row (`ScheduledSequence`), and
-what the engine hands back once the model ran (`SampledTokens`).
+"""What one scheduler step decides (`SchedulerOutput`), row by row (`ScheduledSequence`), what
+the engine hands back once the model ran (`SampledTokens`), and what `update` made of it
+(`StepUpdate`).
 
 A row is "q query tokens over a paged context": `seq` computes the tokens at positions
-[start, start + num_tokens) of `seq.token_ids + seq.spec_token_ids`. Its last `num_logits`
+[start, start + num_tokens) of `seq.token_ids + row.draft_token_ids`. Its last `num_logits`
 rows need logits:
 
     num_logits = 0      a prefill chunk that does not reach the end of the prompt, or a
@@ -36,8 +37,11 @@ class ScheduledSequence:
                 K/V nowhere (slot -1); nothing is sampled.
     block_ids   the sequence's block table for this step (a copy: what the runner sends to
                 the attention kernel, and what the printout shows).
+    draft_token_ids   a speculative verify row's drafts, computed after the last real token
+                (scheduler/drafts.py); () for every other row.
 
-    Invariant: num_tokens >= 1 and 0 <= num_logits <= num_tokens.
+    Invariant: num_tokens >= 1, 0 <= num_logits <= num_tokens, and a row with drafts
+    verifies all of them: num_logits == len(draft_token_ids) + 1.
     """
 
     seq: Sequence
@@ -46,11 +50,15 @@ class ScheduledSequence:
     num_logits: int
     is_padding: bool = False
     block_ids: list[int] = field(default_factory=list)
+    draft_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.num_tokens >= 1, f"a scheduled row needs >= 1 token, got {self.num_tokens}"
         assert 0 <= self.num_logits <= self.num_tokens, (
             f"num_logits={self.num_logits} must be in [0, num_tokens={self.num_tokens}]")
+        assert not self.draft_token_ids or self.num_logits == len(self.draft_token_ids) + 1, (
+            f"a verify row of {len(self.draft_token_ids)} drafts needs "
+            f"{len(self.draft_token_ids) + 1} logits, got {self.num_logits}")
 
     @property
     def end(self) -> int:
@@ -81,9 +89,9 @@ class SchedulerOutput:
 
     admitted / preempted   sequence ids that joined / left the running batch in this step
     block_copies           copy-on-write (src, dst) block pairs to copy before the forward
-    forked                 children created by `update` for parallel sampling (n > 1)
     num_batched_tokens     sum of num_tokens over `scheduled` (<= max_num_batched_tokens)
-    The remaining fields are the limits and the occupancy after scheduling, for printing.
+    The remaining fields are the limits and the pool after scheduling (held + evictable +
+    free == num_blocks, kv_cache/kv_cache_manager.py), for printing.
     """
 
     step: int
@@ -91,11 +99,12 @@ class SchedulerOutput:
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    forked: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
     max_num_batched_tokens: int = 0
     num_seats_used: int = 0
     max_num_seqs: int = 0
+    num_held_blocks: int = 0
+    num_evictable_blocks: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
 
@@ -120,12 +129,14 @@ class SchedulerOutput:
         lines = [head, "   seq  request       kind     tokens  positions      logits  blocks"]
         for row in self.scheduled:
             positions = f"[{row.start}, {row.end})"
+            drafts = f"  drafts {list(row.draft_token_ids)}" if row.draft_token_ids else ""
             lines.append(f"  {row.seq.seq_id:>4}  {row.seq.request_id:<12.12}  {row.kind:<7}"
                          f"  {row.num_tokens:>6}  {positions:<13}  {row.num_logits:>6}  "
-                         f"{_short(row.block_ids)}")
+                         f"{_short(row.block_ids)}{drafts}")
         lines.append(f"  budget {self.num_batched_tokens}/{self.max_num_batched_tokens} tokens"
                      f" | seats {self.num_seats_used}/{self.max_num_seqs}"
-                     f" | free blocks {self.num_free_blocks}/{self.num_blocks}")
+                     f" | blocks held {self.num_held_blocks}, cached {self.num_evictable_blocks}"
+                     f", free {self.num_free_blocks} of {self.num_blocks}")
         return "\n".join(lines)
 
 
@@ -150,8 +161,30 @@ class SampledTokens:
     generators      (parent seq_id, child index) -> the child's random generator, already
                     advanced by its first draw; the engine keeps it for the child's later
                     tokens. Not read by the scheduler.
+    logprobs        seq_id (or (parent seq_id, child index)) -> the sampled token's logprobs
+                    (refserve/logprobs.py), for rows whose request asked for them. Not read
+                    by the scheduler.
     """
 
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     fork_token_ids: dict[int, list[int]] = field(default_factory=dict)
     generators: dict[tuple[int, int], np.random.Generator] = field(default_factory=dict)
+    logprobs: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepUpdate:
+    """What `Scheduler.update` decided for one step: the only record of it the engine reads.
+
+    appended  seq_id -> the tokens actually appended, after the stop rules: a prefix of the
+              sampled tokens (shorter when a stop came inside a verify row's run)
+    verified  seq_id of a verify row -> (drafts proposed, drafts accepted), as the metrics
+              count them (scheduler/drafts.py: count_verified)
+    forked    children created for parallel sampling (n > 1), in creation order
+    retired   sequences that finished in this step (status set, seat given back)
+    """
+
+    appended: dict[int, list[int]] = field(default_factory=dict)
+    verified: dict[int, tuple[int, int]] = field(default_factory=dict)
+    forked: list[Sequence] = field(default_factory=list)
+    retired: list[Sequence] = field(default_factory=list)

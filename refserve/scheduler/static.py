@@ -13,9 +13,12 @@ difference can be measured in slot-steps used vs wasted.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from refserve.capacity import blocks_for_tokens
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.scheduler.base import SchedulerBase
+from refserve.scheduler.base import NO_PROPOSALS, SchedulerBase
+from refserve.scheduler.drafts import Proposal
 from refserve.scheduler.output import ScheduledSequence, SchedulerOutput
 from refserve.sequence import Sequence, SequenceStatus
 
@@ -36,11 +39,11 @@ class StaticScheduler(SchedulerBase):
     def num_seats_used(self) -> int:
         return sum(seq.num_seats for seq in self.running) + len(self.padding)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
         out = self._begin_step()
         if not self.running and not self.padding:
             self._form_batch(out)
-        budget = self._advance(out, self.max_num_batched_tokens)
+        budget = self._advance(out, self.max_num_batched_tokens, proposals)
         kv = self.kv_cache_manager
         for seq in self.padding:
             if budget == 0 or seq.num_computed_tokens == 0:
@@ -54,7 +57,7 @@ class StaticScheduler(SchedulerBase):
     def _form_batch(self, out: SchedulerOutput) -> None:
         """Take waiting sequences, head first, while seats last and the pool can reserve
         blocks for their whole generation (the first one always joins)."""
-        free_blocks = self.kv_cache_manager.num_free_blocks
+        free_blocks = self.kv_cache_manager.num_available_blocks
         block_size = self.kv_cache_manager.block_size
         reserved = 0
         seats = 0
@@ -74,11 +77,11 @@ class StaticScheduler(SchedulerBase):
             seats += seq.num_seats
             reserved += need
 
-    def _release(self, seq: Sequence) -> None:
+    def _on_retired(self, seq: Sequence) -> None:
         self.padding.append(seq)  # keeps its seat and its blocks until the batch ends
 
     def _on_running_left(self) -> None:
         if not self.running:  # the batch has ended
             for seq in self.padding:
-                self._free(seq)
+                self._release_blocks(seq)
             self.padding.clear()

@@ -19,25 +19,24 @@ One verify step runs the target once over the k draft tokens x_1..x_k and emits,
 so every verify step emits accepted + 1 tokens, and those tokens are distributed exactly as if
 the target had sampled them one at a time.
 
-Modules:
+This package is the MATH, NumPy only, below the backends (a backend's rejection_sample op
+is rejection_sampler.py's contract):
     rejection_sampler.py   the accept / residual-resample step (a backend op)
     warping.py             temperature, top-k, top-p applied to both p and q before the test
     ngram_proposer.py      prompt lookup: drafts copied from earlier in the context
-    proposer.py            the proposal stage's interface (Proposal: drafts + q) and the
-                           n-gram proposer behind it
-    draft_model.py         the draft-model proposer: a smaller model, or the target's first N
-                           layers ("self"), run with its own paged KV cache
-    verify.py              the engine's verify step: warp p, draw uniforms in a documented
-                           order from the sequence's generator, call rejection_sample
     adaptive.py            how many drafts to propose per request (k adapts; 0 = stop)
-    config.py              SpeculativeConfig: vLLM's speculative_config dict, validated
     metrics.py             proposed / accepted counts, acceptance rate, tokens per target pass
 
-In the engine (refserve/engine.py) one step with speculation is
+The engine's use of it (orchestration, above the model runner) is refserve/speculation/:
+the proposers (n-gram, draft model), the propose stage and the verify step. A draft token's
+whole life, from proposal to rollback, is refserve/scheduler/drafts.py, and vLLM's
+`speculative_config` dict is refserve/speculative_config.py. One engine step with
+speculation is
 
-    engine.propose()        drafts into seq.spec_token_ids (decode-ready sequences only)
-    schedule / prepare / copy_blocks / forward    a verify row is k + 1 query tokens
-    engine.sample           verify rows go through verify.py
-    scheduler.update        append accepted + 1 tokens, un-compute rejected drafts, trim
-                            blocks that hold only rejected slots (KVCacheManager.trim)
+    proposals = engine.propose()             drafts for decode-ready sequences (values)
+    out = scheduler.schedule(proposals)      a verify row: the real token + the drafts that fit
+    prepare / copy_blocks / forward          a verify row is k + 1 query tokens
+    sampled = engine.sample(out, logits, proposals)   verify rows through speculation/verify.py
+    update = scheduler.update(out, sampled)  append accepted + 1 under the stop rules, roll
+                                             back the rest (drafts.roll_back)
 """

@@ -1,48 +1,33 @@
 """The proposal stage's interface, and the n-gram proposer behind it.
 
-The engine's first stage of a step (`LLMEngine.propose`) asks a proposer for draft tokens for
-every running, decode-ready sequence (num_computed_tokens == num_tokens - 1: its next step
-would be a one-token decode) and puts them in `seq.spec_token_ids`:
+The engine's first stage of a step (`LLMEngine.propose`, through speculation/speculator.py)
+asks a proposer for draft tokens for every running, decode-ready sequence
+(num_computed_tokens == num_tokens - 1: its next step would be a one-token decode):
 
     proposals = proposer.propose(seqs, num_drafts)      # at most num_drafts[i] for seqs[i]
 
-A `Proposal` carries the draft tokens x_1..x_n and the draft distributions q_1..q_n they
-were drawn from, already warped with the request's temperature / top-k / top-p (the
-rejection test must see the q the tokens really came from), or None when q is one-hot at each
-draft (n-gram). A proposer may keep state per sequence (a draft model's KV cache); `release`
-tells it which sequences are still alive, so it frees the rest (finished, aborted,
-preempted).
+A `Proposal` (scheduler/drafts.py, where a draft's whole life is told) carries the draft
+tokens x_1..x_n and the draft distributions q_1..q_n they were drawn from, already warped
+with the request's temperature / top-k / top-p (the rejection test must see the q the tokens
+really came from), or None when q is one-hot at each draft (n-gram). A proposer may keep
+state per sequence (a draft model's KV cache); `release` tells it which sequences are still
+alive, so it frees the rest (finished, aborted, preempted).
 
     draft_cost_per_token   what one draft token costs, relative to one target decode step;
-                           the adaptive rule (adaptive.py) weighs it against acceptance.
+                           the adaptive rule (spec_decode/adaptive.py) weighs it against
+                           acceptance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from refserve.scheduler.drafts import Proposal
 from refserve.spec_decode import ngram_proposer
 
 if TYPE_CHECKING:
     from refserve.sequence import Sequence
-
-
-@dataclass
-class Proposal:
-    """Draft tokens x_1..x_n for one sequence, and q: [n, V] float32 warped draft
-    distributions (row i is the q x_{i+1} was drawn from), or None = one-hot q (n-gram)."""
-
-    token_ids: list[int]
-    draft_probs: np.ndarray | None = None
-
-    def truncated(self, n: int) -> Proposal:
-        """The first n drafts (the scheduler may drop drafts that do not fit a step)."""
-        q = None if self.draft_probs is None else self.draft_probs[:n]
-        return Proposal(self.token_ids[:n], q)
 
 
 class Proposer:

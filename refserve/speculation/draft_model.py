@@ -44,11 +44,12 @@ import numpy as np
 
 from refserve.kv_cache import KVCacheManager
 from refserve.model_runner import ModelRunner
+from refserve.scheduler.drafts import Proposal
 from refserve.scheduler.output import ScheduledSequence, SchedulerOutput
 from refserve.sequence import Sequence
-from refserve.spec_decode.proposer import Proposal, Proposer
 from refserve.spec_decode.rejection_sampler import inverse_cdf_draw
 from refserve.spec_decode.warping import warp_probs
+from refserve.speculation.proposer import Proposer
 
 _DRAFT_STREAM = 0xD2AF7  # mixed into a seeded draft generator: apart from the target's
 
@@ -143,13 +144,13 @@ class DraftModelProposer(Proposer):
         shadow.sampling_params = seq.sampling_params
         self._synced[seq.seq_id] = len(theirs)
         if self.kv_cache_manager.has_sequence(seq.seq_id):
-            # Blocks wholly past the computed positions hold only stale drafts: free them.
+            # Blocks wholly past the computed positions hold only stale drafts: release them.
             self.kv_cache_manager.trim(shadow, max(shadow.num_computed_tokens, 1))
         return shadow
 
     # ---- 2. draft ----------------------------------------------------------------------
     def propose(self, seqs, num_drafts) -> list[Proposal]:
-        proposals = [Proposal([]) for _ in seqs]
+        drafted: list[list[int]] = [[] for _ in seqs]
         active = [i for i, n in enumerate(num_drafts) if n > 0]
         shadows = {i: self._sync(seqs[i]) for i in active}
         q_rows: dict[int, list[np.ndarray]] = {i: [] for i in active}
@@ -158,7 +159,7 @@ class DraftModelProposer(Proposer):
             out = SchedulerOutput(step=step)
             rows = []
             for i in active:
-                if num_drafts[i] <= step or len(proposals[i].token_ids) < step:
+                if num_drafts[i] <= step or len(drafted[i]) < step:
                     continue  # done, or stopped early (pool short)
                 shadow = shadows[i]
                 n = shadow.num_tokens - shadow.num_computed_tokens
@@ -185,12 +186,10 @@ class DraftModelProposer(Proposer):
                 shadow = shadows[i]
                 shadow.num_computed_tokens = shadow.num_tokens
                 shadow.token_ids.append(int(tokens[r]))
-                proposals[i].token_ids.append(int(tokens[r]))
+                drafted[i].append(int(tokens[r]))
                 q_rows[i].append(q[r])
-        for i in active:
-            if q_rows[i]:
-                proposals[i].draft_probs = np.stack(q_rows[i])
-        return proposals
+        return [Proposal(drafted[i], np.stack(q_rows[i]) if q_rows.get(i) else None)
+                for i in range(len(seqs))]
 
     def _uniform(self, seq: Sequence, shadow: Sequence) -> float:
         """The draw for the draft token at position shadow.num_tokens (0 for greedy: the
@@ -213,4 +212,4 @@ class DraftModelProposer(Proposer):
         shadow = self.shadows.pop(seq_id, None)
         self._synced.pop(seq_id, None)
         if shadow is not None:
-            self.kv_cache_manager.free(shadow)
+            self.kv_cache_manager.release(shadow)

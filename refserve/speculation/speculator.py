@@ -1,0 +1,75 @@
+"""The engine's speculative-decoding stage: who gets drafts, how many, and what each verify
+step teaches the adaptive rule.
+
+    proposals = speculator.propose(scheduler.running)   # engine.propose(): the first stage
+    ...  schedule(proposals) / prepare / forward / sample(out, logits, proposals) / update
+    speculator.observe(step_update)                     # engine.finish_step(): adaptive k
+
+The drafts themselves are values that live for one step (refserve/scheduler/drafts.py has
+their whole life). The speculator keeps only what must outlive a step: the proposer's
+per-sequence state (a draft model's shadow sequences) and the adaptive rule's acceptance
+estimates, both forgotten for sequences that are no longer running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+from refserve.scheduler.drafts import Proposals
+from refserve.scheduler.output import StepUpdate
+from refserve.sequence import Sequence
+from refserve.spec_decode.adaptive import AdaptiveSpeculation
+from refserve.speculation.proposer import Proposer
+
+
+class Speculator:
+    """A proposer, the adaptive rule and the k cap (see the module docstring)."""
+
+    def __init__(self, proposer: Proposer, adaptive: AdaptiveSpeculation,
+                 max_model_len: int) -> None:
+        self.proposer = proposer
+        self.adaptive = adaptive
+        self.max_model_len = max_model_len
+
+    def propose(self, running: SequenceOf[Sequence]) -> Proposals:
+        """The proposal stage: drafts for every running sequence that may get some
+        (`num_drafts`), by seq_id. Sequences not running any more are forgotten first (a
+        draft model's shadow gives back its blocks). Changes no Sequence."""
+        live = {seq.seq_id for seq in running}
+        self.proposer.release(live)
+        self.adaptive.forget_all_but(live)
+        seqs, counts = [], []
+        for seq in running:
+            n = self.num_drafts(seq)
+            if n > 0:
+                seqs.append(seq)
+                counts.append(n)
+        if not seqs:
+            return {}
+        return {seq.seq_id: proposal
+                for seq, proposal in zip(seqs, self.proposer.propose(seqs, counts))
+                if proposal.token_ids}
+
+    def num_drafts(self, seq: Sequence) -> int:
+        """How many drafts `seq` may get now: 0 unless it is decode-ready and its params
+        allow speculation (no penalties, no logprobs, and min_tokens already reached: those
+        need per-position logits processing the verify step does not do; a parent about to
+        fork samples its first token plainly). Otherwise the adaptive rule's k' (at most k),
+        capped so that the k' drafts and the recovered or bonus token exceed neither the
+        remaining max_tokens nor max_model_len: k' <= remaining - 1."""
+        sp = seq.sampling_params
+        if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.awaiting_fork
+                or sp.has_penalties or sp.logprobs is not None
+                or seq.num_output_tokens < sp.min_tokens):
+            return 0
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
+        room = min(max_tokens - seq.num_output_tokens,
+                   self.max_model_len - seq.num_tokens) - 1
+        if room < 1:
+            return 0
+        return min(self.adaptive.num_drafts(seq.seq_id), room)
+
+    def observe(self, update: StepUpdate) -> None:
+        """After update: each verify row's (proposed, accepted) feeds the adaptive rule."""
+        for seq_id, (proposed, accepted) in update.verified.items():
+            self.adaptive.observe(seq_id, proposed, accepted)

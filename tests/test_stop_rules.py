@@ -1,0 +1,266 @@
+"""The stop rules, decided token by token in `Scheduler.update` (scheduler/stop_rules.py).
+
+Two layers: `append_tokens` on one sequence with a one-letter-per-token tokenizer (so each
+test says exactly which token completes a stop string), and the engine with speculative
+decoding, where a verify step emits up to k + 1 tokens at once and must stop exactly where a
+plain run stops: same token ids, text, finish and stop reasons, usage, and counters that add
+up (output tokens = target passes + accepted drafts)."""
+
+from __future__ import annotations
+
+import pytest
+from model_utils import LetterTokenizer
+
+from refserve import LLM, SamplingParams
+from refserve.detokenizer import IncrementalDetokenizer
+from refserve.kv_cache.kv_cache_manager import KVCacheManager
+from refserve.scheduler import Proposal, Scheduler
+from refserve.scheduler.stop_rules import append_tokens, find_stop_string
+from refserve.sequence import Sequence, SequenceStatus
+from refserve.speculation.proposer import Proposer
+
+STOPPED, LENGTH = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
+EOS = 25  # "Z" in the letter tokenizer's alphabet, but a special token: decodes to nothing
+
+
+def ids(text: str) -> list[int]:
+    return [ord(c) - ord("A") for c in text]
+
+
+def letter_seq(**params) -> Sequence:
+    seq = Sequence("r", [0, 1, 2], SamplingParams(**params), seq_id=0)
+    seq.detokenizer = IncrementalDetokenizer(LetterTokenizer(eos_token_id=EOS))
+    return seq
+
+
+def visible(seq: Sequence) -> str:
+    text = seq.detokenizer.text
+    return text if seq.output_text_end is None else text[:seq.output_text_end]
+
+
+# ---- one sequence, token by token -------------------------------------------------------
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_stops_at_the_token_that_completes_it(include):
+    seq = letter_seq(max_tokens=50, stop=["CD"], include_stop_str_in_output=include)
+    status = append_tokens(seq, ids("ABCDEF"), EOS, 100)
+    assert status is STOPPED and seq.stop_reason == "CD"
+    assert seq.output_token_ids == ids("ABCD")  # E and F are never appended
+    assert visible(seq) == ("ABCD" if include else "AB")
+
+
+def test_a_stop_string_straddling_two_appends_is_found():
+    seq = letter_seq(max_tokens=50, stop=["BCD"])
+    assert append_tokens(seq, ids("AB"), EOS, 100) is None  # one step
+    assert append_tokens(seq, ids("CDE"), EOS, 100) is STOPPED  # the next, k + 1 tokens
+    assert seq.output_token_ids == ids("ABCD") and visible(seq) == "A"
+
+
+def test_the_earliest_match_wins_not_the_first_listed():
+    # Token C completes both strings; "ABC" starts earlier in the text than "BC".
+    seq = letter_seq(max_tokens=50, stop=["BC", "ABC"])
+    assert append_tokens(seq, ids("ABCD"), EOS, 100) is STOPPED
+    assert seq.stop_reason == "ABC" and visible(seq) == ""
+    # ... and a string completed by an earlier token wins over one completed later.
+    seq = letter_seq(max_tokens=50, stop=["CDE", "B"])
+    append_tokens(seq, ids("ABCDE"), EOS, 100)
+    assert seq.stop_reason == "B" and seq.output_token_ids == ids("AB")
+
+
+def test_find_stop_string_searches_only_what_the_new_text_can_complete():
+    assert find_stop_string("XXABC", 4, ["ABC", "C"]) == (2, "ABC")
+    assert find_stop_string("ABCXX", 4, ["ABC"]) is None  # ended before the new text
+    assert find_stop_string("AB", 1, ["ABC"]) is None
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_id_stops_and_its_text_is_left_out(include):
+    seq = letter_seq(max_tokens=50, stop_token_ids=[ids("C")[0]],
+                     include_stop_str_in_output=include)
+    assert append_tokens(seq, ids("ABCD"), EOS, 100) is STOPPED
+    assert seq.output_token_ids == ids("ABC") and seq.stop_reason == ids("C")[0]
+    assert visible(seq) == ("ABC" if include else "AB")
+
+
+def test_eos_stops_with_no_stop_reason_unless_ignored():
+    seq = letter_seq(max_tokens=50)
+    assert append_tokens(seq, [0, 1, EOS, 2], EOS, 100) is STOPPED
+    assert seq.output_token_ids == [0, 1, EOS] and seq.stop_reason is None
+    seq = letter_seq(max_tokens=4, ignore_eos=True)
+    assert append_tokens(seq, [0, EOS, 1, 2, 3], EOS, 100) is LENGTH
+    assert seq.num_output_tokens == 4
+
+
+@pytest.mark.parametrize("rule, tokens, stopped_at", [
+    (dict(stop=["AB"]), ids("ABAB"), 4),
+    (dict(stop_token_ids=[1]), ids("ABAB"), 4),
+    (dict(), [0, EOS, 0, EOS], 4),
+    (dict(stop=["BC"]), ids("ABCD"), 3),  # may START in the first min_tokens tokens
+])
+def test_nothing_stops_before_min_tokens(rule, tokens, stopped_at):
+    """vLLM checks no stop condition until min_tokens tokens exist: output token i may stop
+    the sequence only when i > min_tokens (here 2: the stop at token 2 is ignored)."""
+    seq = letter_seq(max_tokens=50, min_tokens=2, **rule)
+    assert append_tokens(seq, tokens, EOS, 100) is STOPPED
+    assert seq.num_output_tokens == stopped_at
+
+
+def test_length_limits_cut_a_run_and_a_stop_on_that_token_wins():
+    seq = letter_seq(max_tokens=3)
+    assert append_tokens(seq, ids("ABCDE"), EOS, 100) is LENGTH
+    assert seq.output_token_ids == ids("ABC") and seq.stop_reason is None
+    seq = letter_seq(max_tokens=3, stop=["BC"])
+    assert append_tokens(seq, ids("ABCDE"), EOS, 100) is STOPPED  # the 3rd token does both
+    assert seq.stop_reason == "BC" and visible(seq) == "A"
+    seq = letter_seq(max_tokens=None)  # prompt 3 + 4 outputs reach max_model_len 7
+    assert append_tokens(seq, ids("ABCDE"), EOS, 7) is LENGTH
+    assert seq.num_tokens == 7
+
+
+# ---- through the scheduler: a verify row cut by a stop ----------------------------------
+
+def test_update_keeps_only_the_tokens_before_the_stop_and_rolls_back_the_rest():
+    kv = KVCacheManager(num_blocks=16, block_size=2)
+    sched = Scheduler(4, 64, kv, max_model_len=64, eos_token_id=EOS)
+    seq = letter_seq(max_tokens=30, stop=["CD"])
+    seq.seq_id = None
+    sched.add_sequence(seq)
+    out = sched.schedule()
+    sched.update(out, {seq.seq_id: ids("A")})  # prefill samples A
+    out = sched.schedule({seq.seq_id: Proposal(ids("BCDE"))})
+    (row,) = out.scheduled
+    assert row.draft_token_ids == tuple(ids("BCDE"))
+    update = sched.update(out, {seq.seq_id: ids("BCDEF")})  # all accepted + bonus F
+    assert update.appended[seq.seq_id] == ids("BCD")  # D completes "CD": E, F dropped
+    assert update.retired == [seq] and seq.status is STOPPED
+    # the row kept 3 tokens: a pass plus 2 accepted drafts (the rest were never needed)
+    assert update.verified[seq.seq_id] == (2, 2)
+    assert kv.num_held_blocks == 0
+    kv.check_invariants()
+
+
+# ---- the engine: speculation stops where a plain run stops ------------------------------
+
+class OracleProposer(Proposer):
+    """Proposes the plain run's own continuation: every draft is accepted."""
+
+    def __init__(self, continuation: list[int]):
+        self.continuation = continuation
+        self.asked: list[int] = []  # num_output_tokens of each sequence asked
+
+    def propose(self, seqs, num_drafts):
+        self.asked += [s.num_output_tokens for s in seqs]
+        return [Proposal(self.continuation[s.num_output_tokens:s.num_output_tokens + n])
+                for s, n in zip(seqs, num_drafts)]
+
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama whose greedy output is varied (tests/tiny_text_model.py)."""
+    from tiny_text_model import save_tiny_text_model
+
+    return save_tiny_text_model(tmp_path_factory.mktemp("stops"))
+
+
+def letter_llm(folder, k: int | None = None, continuation=None):
+    spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k,
+                                   "adaptive": False}
+    llm = LLM(model=str(folder), backend="numpy", progress=False, block_size=2,
+              speculative_config=spec)
+    llm.llm_engine.tokenizer = LetterTokenizer()
+    if k is not None:
+        llm.llm_engine.speculator.proposer = OracleProposer(continuation)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    (out,) = letter_llm(tiny).generate([PROMPT], params, use_tqdm=False)
+    return out.outputs[0].token_ids
+
+
+def first_end_at_or_after(text: str, e: int, length: int) -> int:
+    """The first index >= e where text[i - length + 1 : i + 1] occurs nowhere earlier."""
+    for i in range(max(e, length - 1), len(text)):
+        piece = text[i - length + 1:i + 1]
+        if text.find(piece) == i - length + 1:
+            return i
+    raise AssertionError(f"no stop string of {length} letters ends at or after {e} in {text}")
+
+
+def verify_offset(i: int, k: int) -> int:
+    """Where output token i sits in its verify step (token 0 comes from the prefill; with
+    every draft accepted, step j emits tokens 1 + j(k+1) .. (j+1)(k+1)): 0 = first draft,
+    k = bonus."""
+    return (i - 1) % (k + 1)
+
+
+def run_both(folder, plain_tokens, k, params):
+    (plain,) = letter_llm(folder).generate([PROMPT], params, use_tqdm=False)
+    llm = letter_llm(folder, k, plain_tokens)
+    (spec,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert llm.llm_engine.kv_cache_manager.num_held_blocks == 0
+    return plain, spec
+
+
+def assert_same(plain, spec):
+    p, s = plain.outputs[0], spec.outputs[0]
+    assert (s.token_ids, s.text, s.finish_reason, s.stop_reason) == \
+        (p.token_ids, p.text, p.finish_reason, p.stop_reason)
+    pm, sm = plain.metrics, spec.metrics
+    assert sm.num_output_tokens == pm.num_output_tokens == len(p.token_ids)
+    # each target pass emits one token plus its accepted drafts, nothing the user never saw
+    assert sm.num_target_passes + sm.num_spec_accepted == pm.num_target_passes
+    assert 0 <= sm.num_spec_accepted <= sm.num_spec_proposed
+
+
+@pytest.mark.parametrize("k, where", [
+    (k, where) for k in (1, 4, 8) for where in ("first draft", "middle draft", "bonus", "straddle")
+    if not (k == 1 and where == "middle draft")])  # k = 1: one draft, no middle
+@pytest.mark.parametrize("include", [False, True])
+def test_spec_stop_string_equals_the_plain_run(tiny, plain_tokens, k, where, include):
+    text = LetterTokenizer().decode(plain_tokens)
+    want = {"first draft": 0, "middle draft": k // 2, "bonus": k, "straddle": 0}[where]
+    length = 3 if where == "straddle" else 2
+    e = 1 + k + 1  # look from the second verify step on
+    while True:
+        e = first_end_at_or_after(text, e, length)
+        if verify_offset(e, k) == want:
+            break
+        e += 1
+    if where == "straddle":
+        assert verify_offset(e - 1, k) == k  # the string starts in the previous step
+    stop = text[e - length + 1:e + 1]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=include)
+    plain, spec = run_both(tiny, plain_tokens, k, params)
+    assert plain.outputs[0].token_ids == plain_tokens[:e + 1]  # stopped where we aimed
+    assert plain.outputs[0].stop_reason == stop
+    assert_same(plain, spec)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_spec_stop_token_id_and_max_tokens_inside_the_run(tiny, plain_tokens, k):
+    e = 1 + k + 1 + k // 2  # a middle draft of the second verify step
+    while plain_tokens.index(plain_tokens[e]) != e:
+        e += 1
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                            stop_token_ids=[plain_tokens[e]])
+    plain, spec = run_both(tiny, plain_tokens, k, params)
+    assert plain.outputs[0].stop_reason == plain_tokens[e]
+    assert_same(plain, spec)
+    params = SamplingParams(max_tokens=1 + k + 1 + k // 2, temperature=0.0, ignore_eos=True)
+    assert_same(*run_both(tiny, plain_tokens, k, params))
+
+
+def test_no_drafts_are_proposed_before_min_tokens(tiny, plain_tokens):
+    params = SamplingParams(max_tokens=30, min_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = letter_llm(tiny, 4, plain_tokens)
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    proposer = llm.llm_engine.speculator.proposer
+    assert proposer.asked and min(proposer.asked) >= 6
+    assert out.outputs[0].token_ids == plain_tokens[:30]
