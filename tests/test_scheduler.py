@@ -693,3 +693,29 @@ def test_drafts_that_do_not_fit_the_budget_are_dropped():
     out = sched.schedule(proposals)
     assert out.scheduled[0].draft_token_ids == (1, 2) and out.scheduled[0].num_logits == 3
     assert proposals[a.seq_id].token_ids == (1, 2, 3, 4)  # scheduling changed nothing
+
+
+def test_num_cached_tokens_is_the_hit_of_the_first_scheduling_and_survives_preemption():
+    """vLLM's num_cached_tokens: prompt tokens found in the prefix cache when the sequence
+    was first scheduled. A readmission after preemption finds more (its own blocks were
+    cached meanwhile); that saves recomputation but does not change the number."""
+    sched, kv, runner = make(block_size=2, num_blocks=9)
+    a = make_seq("a", 6, 1)
+    sched.add_sequence(a)
+    run_all(sched, runner)  # a's 3 full blocks are cached, then evictable
+    c = Sequence("c", [90, 91], SamplingParams(max_tokens=14))  # older: it keeps running
+    b = Sequence("b", a.prompt_token_ids + [77], SamplingParams(max_tokens=6))
+    sched.add_sequence(c)
+    sched.add_sequence(b)
+    assert b.num_cached_tokens is None  # not scheduled yet
+    step(sched, runner)
+    assert b.num_cached_tokens == 6 and c.num_cached_tokens == 0
+    hits = []
+    while sched.has_unfinished():
+        before = kv.prefix_cache_hit_tokens
+        step(sched, runner)
+        hits.append(kv.prefix_cache_hit_tokens - before)
+    # b was preempted and readmitted with another hit (what is left of its cached blocks)
+    readmission_hits = [h for h in hits if h]
+    assert b.num_preemptions == 1 and readmission_hits and readmission_hits[-1] != 6
+    assert b.num_cached_tokens == 6
