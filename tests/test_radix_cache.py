@@ -100,6 +100,17 @@ def test_match_is_block_aligned():
     assert tree.match_prefix([0, 1, 2, 99, 4]).num_tokens == 0
 
 
+def test_the_last_hit_block_names_the_node_to_lock():
+    allocator, tree = make()
+    blocks, _ = computed(allocator, tree, [1, 2, 3, 4, 5, 6])
+    hit = tree.match_prefix([1, 2, 3, 4, 9, 9])
+    assert tree.node_of(hit.block_ids[-1]) is hit.node
+    tree.match_prefix([1, 2, 8, 8])  # a later split above it keeps that true
+    assert tree.node_of(hit.block_ids[-1]) is hit.node
+    assert tree.path_blocks(hit.node) == hit.block_ids
+    assert tree.node_of(allocator.num_blocks - 1) is None
+
+
 def test_match_length_changes_nothing():
     allocator, tree = make()
     computed(allocator, tree, [1, 2, 3, 4, 5, 6])

@@ -156,6 +156,12 @@ class RadixCache:
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._node_of_block
 
+    def node_of(self, block_id: int) -> RadixNode | None:
+        """The node holding a cached block (None if it is not cached). The last block of a
+        match is the last block of match.node, so a caller that kept only the block ids of a
+        hit finds the node to lock this way."""
+        return self._node_of_block.get(block_id)
+
     def match_prefix(self, token_ids: SequenceOf[int]) -> RadixMatch:
         """The longest cached block-aligned prefix of token_ids, never covering the last
         token (its logits must be computed): at most (len - 1) // block_size blocks.
