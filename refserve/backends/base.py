@@ -215,8 +215,12 @@ class Backend(abc.ABC):
             raise ValueError(f"allocate_host_kv_cache needs positive sizes, got "
                              f"num_layers={num_layers} num_blocks={num_blocks}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return [(np.zeros(shape, dtype=dtype), np.zeros(shape, dtype=dtype))
+        return [(self.host_zeros(shape, dtype), self.host_zeros(shape, dtype))
                 for _ in range(num_layers)]
+
+    def host_zeros(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A zero-filled host array for the host block pool (pinned on a GPU backend)."""
+        return np.zeros(shape, dtype=dtype)
 
     @abc.abstractmethod
     def swap_out(self, k_cache: Array, v_cache: Array, host_k: np.ndarray,

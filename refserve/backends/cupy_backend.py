@@ -126,19 +126,13 @@ class CupyBackend(Backend):
 
     # ------------------------------------------------------------ swapping
 
-    def allocate_host_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                               dtype=np.float32):
-        """See Backend.allocate_host_kv_cache: the same NumPy arrays, in pinned memory (the
-        copy engine reads and writes page-locked memory directly, without a staging copy,
-        and that is what lets cudaMemcpyAsync return before the copy is done)."""
+    def host_zeros(self, shape, dtype):
+        """See Backend.host_zeros: pinned memory. The copy engine reads and writes
+        page-locked memory directly, without a staging copy, which is what lets
+        cudaMemcpyAsync return before the copy is done."""
         import cupyx
 
-        if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
-            raise ValueError(f"allocate_host_kv_cache needs positive sizes, got "
-                             f"num_layers={num_layers} num_blocks={num_blocks}")
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return [(cupyx.zeros_pinned(shape, dtype=dtype), cupyx.zeros_pinned(shape, dtype=dtype))
-                for _ in range(num_layers)]
+        return cupyx.zeros_pinned(shape, dtype=dtype)
 
     def swap_out(self, k_cache, v_cache, host_k, host_v, block_mapping) -> None:
         """See Backend.swap_out: rows (device, host), device -> pinned host, asynchronous."""
