@@ -1,4 +1,4 @@
-"""The `Backend` interface: the three data-plane ops of paged attention, plus array helpers.
+"""The `Backend` interface: the data-plane ops of paged attention, plus array helpers.
 
 The model's dense math (matmuls, RMSNorm, RoPE, SwiGLU) is written once against `backend.xp`
 (numpy or cupy). Only the ops that touch the *paged* KV cache live behind this interface,
@@ -7,6 +7,11 @@ because they are the ones a GPU backend replaces with kernels:
     write_kv         scatter this step's K/V into their slots          (one scatter)
     paged_attention  attention of each query over its paged context    (gather + softmax)
     copy_blocks      copy whole blocks, for copy-on-write              (block copy)
+    swap_out         device blocks -> host blocks, swap preemption     (DMA to host)
+    swap_in          host blocks -> device blocks, resuming it         (DMA to device)
+
+The host side of swapping is a second pool of blocks with the same layout, in host memory
+(`allocate_host_kv_cache`; its bookkeeping is refserve/kv_cache/host_pool.py).
 
 KV cache layout (docs/architecture.md, "KV cache layout"), one pair per layer:
 
@@ -197,6 +202,54 @@ class Backend(abc.ABC):
         All copies read the caches as they were before any of them wrote.
         """
 
+    # ------------------------------------------------------------ swapping
+
+    def allocate_host_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
+                               num_kv_heads: int, head_dim: int, dtype: Any = np.float32
+                               ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The host block pool of swap preemption: one `(host_k, host_v)` pair per layer,
+        NumPy arrays `[num_blocks, block_size, num_kv_heads, head_dim]` in host memory, the
+        layout of the device cache. Plain memory here; a GPU backend returns page-locked
+        (pinned) memory, the only kind a copy engine can read or write asynchronously."""
+        if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
+            raise ValueError(f"allocate_host_kv_cache needs positive sizes, got "
+                             f"num_layers={num_layers} num_blocks={num_blocks}")
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return [(self.host_zeros(shape, dtype), self.host_zeros(shape, dtype))
+                for _ in range(num_layers)]
+
+    def host_zeros(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A zero-filled host array for the host block pool (pinned on a GPU backend)."""
+        return np.zeros(shape, dtype=dtype)
+
+    @abc.abstractmethod
+    def swap_out(self, k_cache: Array, v_cache: Array, host_k: np.ndarray,
+                 host_v: np.ndarray, block_mapping: np.ndarray) -> None:
+        """Copy whole device blocks into host blocks: a preempted sequence leaves the GPU.
+
+        Shapes:
+            k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]  (device)
+            host_k, host_v:    [num_host_blocks, block_size, num_kv_heads, head_dim] (host),
+                               same dtype
+            block_mapping:     [N, 2] int, a HOST (NumPy) array, row (device block, host block)
+
+        For every row: host_k[host] = k_cache[device], host_v[host] = v_cache[device]. Host
+        blocks are distinct. The copies may still be in flight on return (a GPU enqueues them
+        on the current stream, so they run before any later kernel: a device block freed
+        right after swap_out may be reused by the next forward); read the host arrays only
+        after synchronizing.
+        """
+
+    @abc.abstractmethod
+    def swap_in(self, k_cache: Array, v_cache: Array, host_k: np.ndarray,
+                host_v: np.ndarray, block_mapping: np.ndarray) -> None:
+        """Copy host blocks back into device blocks: a swapped-out sequence resumes.
+
+        Shapes as in `swap_out`; block_mapping rows are (host block, device block). For every
+        row: k_cache[device] = host_k[host], same for v. Device blocks are distinct. Enqueued
+        before the forward that reads them, so that forward sees the copied KV.
+        """
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
@@ -243,3 +296,37 @@ class Backend(abc.ABC):
             host(draw_uniforms),
         )
         return self.to_device(output_token_ids), self.to_device(num_accepted)
+
+
+def check_swap(cache: Any, host: np.ndarray, block_mapping: Any, to_host: bool) -> np.ndarray:
+    """`block_mapping` as a checked [N, 2] int64 host array for swap_out (to_host=True: rows
+    (device, host)) or swap_in (rows (host, device)). Raises ValueError for caches of
+    different block shapes or dtypes, a block id out of range, or a repeated destination
+    (two copies into one block: no order makes that meaningful)."""
+    if tuple(cache.shape[1:]) != tuple(host.shape[1:]) or np.dtype(cache.dtype) != host.dtype:
+        raise ValueError(f"swap: device blocks {tuple(cache.shape[1:])} {cache.dtype} and host "
+                         f"blocks {tuple(host.shape[1:])} {host.dtype} must have one layout")
+    pairs = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
+    device_col, host_col = (0, 1) if to_host else (1, 0)
+    for col, limit, name in ((device_col, cache.shape[0], "device"),
+                             (host_col, host.shape[0], "host")):
+        if ((pairs[:, col] < 0) | (pairs[:, col] >= limit)).any():
+            raise ValueError(f"swap: {name} block ids must be in [0, {limit}), got "
+                             f"{pairs[:, col].tolist()}")
+    dst = pairs[:, 1]
+    if len(np.unique(dst)) != len(dst):
+        raise ValueError(f"swap: a destination block appears twice in {dst.tolist()}")
+    return pairs
+
+
+def contiguous_runs(pairs: np.ndarray) -> list[tuple[int, int, int]]:
+    """Rows (src, dst) grouped into runs (first src, first dst, length) in which both ids
+    count up by one, in row order: one copy per run instead of one per block (the host pool
+    hands out consecutive blocks, so a swapped sequence often is a few runs)."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in np.asarray(pairs, dtype=np.int64).reshape(-1, 2).tolist():
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs

@@ -8,6 +8,8 @@ only turns those `Launch` records into `cupy.RawModule` calls, so it stays small
     write_kv         write_kv_kernel (16-byte rows, slot -1 skipped)
     copy_blocks      copy_blocks_kernel; a chain of copies (some dst is also a src) falls
                      back to a gather-then-scatter, which reads every source first
+    swap_out/in      cudaMemcpyAsync between the device cache and pinned host blocks, one
+                     copy per run of consecutive blocks, on the current stream
     paged_attention  decode rows (0 .. num_decodes-1): v1 or v2 + reduce, by
                      cuda_launch.choose_partitioning on host scalars;
                      the other rows (prefill chunks, verify): varlen_paged_attention_kernel
@@ -32,7 +34,7 @@ import numpy as np
 
 import refserve.backends.cuda_launch as cl
 import refserve.backends.device_sampling as device_sampling
-from refserve.backends.base import Backend
+from refserve.backends.base import Backend, check_swap, contiguous_runs
 
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
@@ -121,6 +123,45 @@ class CupyBackend(Backend):
         src, dst = self.xp.asarray(pairs[:, 0]), self.xp.asarray(pairs[:, 1])
         k_cache[dst] = k_cache[src]  # the right side is a gather: a copy made before writing
         v_cache[dst] = v_cache[src]
+
+    # ------------------------------------------------------------ swapping
+
+    def host_zeros(self, shape, dtype):
+        """See Backend.host_zeros: pinned memory. The copy engine reads and writes
+        page-locked memory directly, without a staging copy, which is what lets
+        cudaMemcpyAsync return before the copy is done."""
+        import cupyx
+
+        return cupyx.zeros_pinned(shape, dtype=dtype)
+
+    def swap_out(self, k_cache, v_cache, host_k, host_v, block_mapping) -> None:
+        """See Backend.swap_out: rows (device, host), device -> pinned host, asynchronous."""
+        self._swap(k_cache, v_cache, host_k, host_v, block_mapping, to_host=True)
+
+    def swap_in(self, k_cache, v_cache, host_k, host_v, block_mapping) -> None:
+        """See Backend.swap_in: rows (host, device), pinned host -> device, asynchronous."""
+        self._swap(k_cache, v_cache, host_k, host_v, block_mapping, to_host=False)
+
+    def _swap(self, k_cache, v_cache, host_k, host_v, block_mapping, to_host: bool) -> None:
+        """One cudaMemcpyAsync per run of consecutive blocks and per cache, on the current
+        stream: it runs after the kernels already enqueued (a swap-out reads the KV the last
+        forward wrote) and before the ones enqueued later (the next forward may reuse a
+        swapped-out block, and reads a swapped-in one). The host is not blocked."""
+        runtime = self.xp.cuda.runtime
+        pairs = check_swap(k_cache, host_k, block_mapping, to_host)
+        check_swap(v_cache, host_v, pairs, to_host)
+        for array in (k_cache, v_cache, host_k, host_v):
+            if not array.flags.c_contiguous:
+                raise ValueError("swap: caches and host blocks must be C-contiguous")
+        block_bytes = k_cache[0].nbytes
+        kind = runtime.memcpyDeviceToHost if to_host else runtime.memcpyHostToDevice
+        stream = self.xp.cuda.get_current_stream().ptr
+        for device_cache, host_cache in ((k_cache, host_k), (v_cache, host_v)):
+            device_ptr, host_ptr = device_cache.data.ptr, host_cache.ctypes.data
+            src_base, dst_base = (device_ptr, host_ptr) if to_host else (host_ptr, device_ptr)
+            for src, dst, count in contiguous_runs(pairs):
+                runtime.memcpyAsync(dst_base + dst * block_bytes, src_base + src * block_bytes,
+                                    count * block_bytes, kind, stream)
 
     def paged_attention(self, q, k_cache, v_cache, attn, scale: float):
         """See Backend.paged_attention: decode rows first through v1/v2, then varlen."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from refserve.backends.base import PAD_BLOCK, AttentionMetadata, Backend
+from refserve.backends.base import PAD_BLOCK, AttentionMetadata, Backend, check_swap
 
 # Prefill chunks are processed this many query tokens at a time, which bounds the score
 # matrix at [num_heads, tile, L] floats, and lets each tile skip the keys after its last query
@@ -158,6 +158,23 @@ class NumpyBackend(Backend):
         assert len(np.unique(dst)) == len(dst), f"copy_blocks: duplicate destination in {dst}"
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
+
+    # ------------------------------------------------------- swap_out / swap_in
+
+    def swap_out(self, k_cache, v_cache, host_k, host_v, block_mapping) -> None:
+        """host_k[host] = k_cache[device] (and v) for each row (device, host): on a CPU the
+        "host link" is a memcpy between two arrays. See `Backend.swap_out`."""
+        pairs = check_swap(k_cache, host_k, block_mapping, to_host=True)
+        check_swap(v_cache, host_v, pairs, to_host=True)
+        host_k[pairs[:, 1]] = k_cache[pairs[:, 0]]
+        host_v[pairs[:, 1]] = v_cache[pairs[:, 0]]
+
+    def swap_in(self, k_cache, v_cache, host_k, host_v, block_mapping) -> None:
+        """k_cache[device] = host_k[host] (and v) for each row (host, device)."""
+        pairs = check_swap(k_cache, host_k, block_mapping, to_host=False)
+        check_swap(v_cache, host_v, pairs, to_host=False)
+        k_cache[pairs[:, 1]] = host_k[pairs[:, 0]]
+        v_cache[pairs[:, 1]] = host_v[pairs[:, 0]]
 
     # ------------------------------------------------------- paged_attention
 

@@ -1,0 +1,478 @@
+"""The radix prefix cache: prefix sharing as a tree (SGLang's RadixAttention).
+
+The hash chain (prefix_cache.py) names every full block by its whole prefix and finds a
+sequence's hits block by block. A radix tree stores the same knowledge as paths: each edge
+is a run of tokens, and the path from the root to a node spells a prefix whose KV is cached.
+A lookup walks down from the root, so it finds the longest cached prefix in one pass, and the
+tree shows which prompts share what (print it, or draw it with radix_draw.py).
+
+    root ── [system prompt, 3 blocks] ─┬─ [question A, 2 blocks]
+                                       └─ [question B, 1 block]
+
+A node holds
+    key          its run of tokens (a whole number of blocks, see below)
+    blocks       the physical KV blocks holding those tokens, one per block_size tokens
+    children     keyed by the tokens of their first block (no two children start alike)
+    lock_ref     how many holders use this node or a node below it (see "Locks")
+    last_access  a logical clock tick, for least-recently-used eviction
+
+Block alignment (the block_size > 1 rule). Keys, matches and splits are whole blocks: a
+match that ends inside a block stops at the start of that block, and the partial block is
+computed again. The alternative, sharing the partly matched block read-only and copying it
+on the first write, was rejected because
+  * only full blocks whose KV was computed are ever inserted (exactly as the hash chain
+    caches them), so a partial block is never the tree's to share;
+  * it would save fewer than block_size tokens of prefill per hit and always pay a whole
+    block copy, on the step of the hit;
+  * a hit then always covers len(blocks) * block_size tokens, the rule the scheduler and the
+    KV-cache manager already follow for the hash chain, so the two policies plug into the
+    same code.
+With block_size = 1 (SGLang's default page size) matching is per token.
+
+Reference counts go through the BlockAllocator. The tree holds one reference on every block
+it caches (taken by `insert`, dropped by `evict`), and each sequence that holds a cached
+block in its block table holds its own. So a cached block is never in the allocator's free
+queue: the free queue holds only blocks with no useful content, and "cached but unused"
+blocks are counted by the tree (`num_evictable_blocks`), not as free. A cached block is also
+always shared (ref count >= 2 while a sequence holds it), so any write into it goes through
+copy-on-write and the tree never advertises overwritten KV.
+
+Locks. A holder (a sequence using cached blocks) locks the deepest node whose path covers
+the cached blocks it holds; `lock` walks up to the root adding 1 to every node on the way,
+`unlock` walks up subtracting 1. So lock_ref(node) = number of locks taken on the node or
+below it, and a parent's lock_ref is >= each child's. A node with lock_ref 0 is evictable
+(no holder uses its blocks: each has ref count 1, the tree's own), and its blocks count in
+`num_evictable_blocks`; the rest count in `num_protected_blocks`. The root is always locked
+(lock_ref 1, never evicted, no blocks).
+
+Eviction (least recently used). `evict(n)` frees n blocks: it takes the unlocked leaf with
+the oldest last_access from a heap, frees its blocks deepest first, and deletes the leaf once
+empty; its parent may then become an unlocked leaf and joins the heap. Blocks leave only
+from the bottom of the tree, so a cached prefix never loses its beginning while keeping its
+end (the hash chain can orphan deeper blocks that way). A leaf is trimmed only as far as
+needed, so evicting one block of a long leaf keeps the rest of it findable.
+
+The holder's protocol (what the KV-cache manager does with this tree):
+
+    hit = tree.match_prefix(seq.token_ids)          # admission; the last token never hits
+    # pay for tree.evictable_on_path(hit.node) blocks (they stop being evictable), then
+    allocator.incref each of hit.block_ids; tree.lock(hit.node)
+    ... the step computes more tokens ...
+    done = tree.insert(tokens of the full computed blocks, their block ids)
+    # done.block_ids are the tree's blocks for those tokens; blocks of the sequence that
+    # duplicate one of them (computed twice) may be swapped for the tree's and freed
+    tree.lock(done.node); tree.unlock(old node)     # move the lock down
+    ... allocator.free each block of the sequence; tree.unlock(its node)   # retire
+    when the allocator has no free block: tree.evict(k), then allocate
+
+Invariants (`check_invariants`): the tree's shape (children keyed by their first block,
+keys a whole number of blocks, each block in at most one node), lock counts monotone up the
+tree, the evictable and protected sizes equal to the sums they stand for, the heap set equal
+to the unlocked leaves, every cached block held by the allocator, and every block of an
+unlocked node held by the tree alone (ref count 1).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+from refserve.kv_cache.block_allocator import BlockAllocator
+
+
+class RadixNode:
+    """One edge of the tree: a run of tokens and the blocks that hold their KV."""
+
+    __slots__ = ("key", "blocks", "children", "parent", "lock_ref", "last_access", "node_id")
+
+    def __init__(self, key: tuple[int, ...], blocks: list[int], parent: RadixNode | None,
+                 last_access: int, node_id: int) -> None:
+        self.key = key
+        self.blocks = blocks
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.node_id = node_id
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (f"RadixNode(id={self.node_id}, tokens={len(self.key)}, blocks={self.blocks}, "
+                f"lock_ref={self.lock_ref})")
+
+
+@dataclass(frozen=True)
+class RadixMatch:
+    """A lookup's answer: the cached blocks of the longest matching prefix, in order, the
+    tokens they cover (len(block_ids) * block_size) and the deepest node matched (the root
+    when nothing matched): lock it once the blocks are attached."""
+
+    block_ids: list[int]
+    num_tokens: int
+    node: RadixNode
+
+
+@dataclass(frozen=True)
+class RadixInsert:
+    """An insert's answer: how many of the inserted tokens were cached already (their given
+    blocks were not taken: they duplicate the tree's), the tree's blocks for all the inserted
+    tokens, and the node that ends them (lock it to protect them)."""
+
+    num_cached_tokens: int
+    block_ids: list[int]
+    node: RadixNode
+
+
+class RadixCache:
+    """Block-aligned radix tree of cached prefixes over one BlockAllocator (see the module
+    docstring for the rules, the holder's protocol and the invariants)."""
+
+    def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
+        self.block_size = block_size
+        self.allocator = allocator
+        self._clock = itertools.count(1)
+        self._ids = itertools.count()
+        self.root = RadixNode((), [], None, 0, next(self._ids))
+        self.root.lock_ref = 1  # always locked: never evicted, never a leaf to evict
+        self._node_of_block: dict[int, RadixNode] = {}
+        self._evictable_leaves: set[RadixNode] = set()
+        self.num_evictable_blocks = 0
+        self.num_protected_blocks = 0
+        self.num_evicted_blocks = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._node_of_block)
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._node_of_block
+
+    def node_of(self, block_id: int) -> RadixNode | None:
+        """The node holding a cached block (None if it is not cached). The last block of a
+        match is the last block of match.node, so a caller that kept only the block ids of a
+        hit finds the node to lock this way."""
+        return self._node_of_block.get(block_id)
+
+    def match_prefix(self, token_ids: SequenceOf[int]) -> RadixMatch:
+        """The longest cached block-aligned prefix of token_ids, never covering the last
+        token (its logits must be computed): at most (len - 1) // block_size blocks.
+
+        Splits the node the match ends inside, so that the answer ends at a node, and marks
+        the matched path as just used. Takes no reference and no lock."""
+        tokens = tuple(token_ids)
+        limit = max(0, len(tokens) - 1) // self.block_size * self.block_size
+        blocks, node, _ = self._walk(tokens[:limit], split=True)
+        return RadixMatch(blocks, len(blocks) * self.block_size, node)
+
+    def match_length(self, token_ids: SequenceOf[int]) -> int:
+        """Tokens match_prefix would hit, without splitting or touching anything (what the
+        longest-prefix-match scheduling policy sorts by)."""
+        tokens = tuple(token_ids)
+        limit = max(0, len(tokens) - 1) // self.block_size * self.block_size
+        return self._walk(tokens[:limit], split=False)[2]
+
+    def path_blocks(self, node: RadixNode) -> list[int]:
+        """The blocks from the root down to `node`, in order (ValueError if node was
+        evicted): what a match that ended at `node` returned, if nothing was evicted."""
+        path = self._path(node)
+        return [block for n in reversed(path) for block in n.blocks]
+
+    def evictable_on_path(self, node: RadixNode) -> int:
+        """Blocks that lock(node) would move from evictable to protected: those of the
+        unlocked nodes on the path (they are counted as reclaimable until then)."""
+        return sum(len(n.blocks) for n in self._path(node) if n.lock_ref == 0)
+
+    # ---- mutations -----------------------------------------------------------------------
+
+    def insert(self, token_ids: SequenceOf[int], block_ids: SequenceOf[int]) -> RadixInsert:
+        """Cache blocks whose KV is computed: token_ids (a whole number of blocks) are held
+        by block_ids, block i holding tokens [i * bs, (i + 1) * bs). Call it only after the
+        forward wrote them, with blocks the caller holds.
+
+        The walk splits a node where the tokens leave it. The leading tokens already in the
+        tree keep the tree's blocks (the returned num_cached_tokens of them: their given
+        blocks are duplicates the caller may free); the rest become one new leaf, and the
+        tree takes a reference on each of its blocks. Checked first, atomic."""
+        bs = self.block_size
+        tokens = tuple(token_ids)
+        blocks = [int(b) for b in block_ids]
+        if len(tokens) != len(blocks) * bs:
+            raise ValueError(f"insert: {len(tokens)} tokens but {len(blocks)} blocks of "
+                             f"{bs}; insert whole computed blocks only")
+        cached_tokens = self._walk(tokens, split=False)[2]
+        new_blocks = blocks[cached_tokens // bs:]
+        for block_id in new_blocks:
+            if self.allocator.ref_count(block_id) == 0:
+                raise ValueError(f"insert: block {block_id} is free; insert only blocks "
+                                 "the caller holds, after their KV was written")
+            if block_id in self._node_of_block:
+                raise ValueError(f"insert: block {block_id} is already cached for another "
+                                 "prefix; a block holds one prefix")
+        if len(set(new_blocks)) != len(new_blocks):
+            raise ValueError(f"insert: a block appears twice in {new_blocks}")
+        # Checked: from here on nothing can fail.
+        tree_blocks, node, matched = self._walk(tokens, split=True)
+        if matched < len(tokens):
+            leaf = RadixNode(tokens[matched:], new_blocks, node, next(self._clock),
+                             next(self._ids))
+            node.children[leaf.key[:bs]] = leaf
+            for block_id in new_blocks:
+                self.allocator.incref(block_id)
+                self._node_of_block[block_id] = leaf
+            self.num_evictable_blocks += len(new_blocks)
+            self._update_leaf(node)
+            self._update_leaf(leaf)
+            tree_blocks = tree_blocks + new_blocks
+            node = leaf
+        return RadixInsert(matched, tree_blocks, node)
+
+    def lock(self, node: RadixNode) -> None:
+        """inc_lock: a holder now uses the blocks from the root to `node`. Adds 1 to the
+        lock count of every node on the path; a node locked for the first time moves its
+        blocks from evictable to protected. Locking the root changes nothing."""
+        for n in self._path(node):
+            if n.lock_ref == 0:
+                self.num_evictable_blocks -= len(n.blocks)
+                self.num_protected_blocks += len(n.blocks)
+            n.lock_ref += 1
+            self._update_leaf(n)
+
+    def unlock(self, node: RadixNode) -> None:
+        """dec_lock: undo one lock(node). A node whose count drops to 0 moves its blocks
+        back to evictable (and, if it is a leaf, joins the eviction heap)."""
+        path = self._path(node)
+        if path and node.lock_ref == 0:
+            raise ValueError(f"unlock: {node} is not locked")
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.num_protected_blocks -= len(n.blocks)
+                self.num_evictable_blocks += len(n.blocks)
+            self._update_leaf(n)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free up to num_blocks cached blocks back to the allocator, least recently used
+        unlocked leaf first and, inside a leaf, deepest block first. Returns the freed block
+        ids (fewer than asked only if fewer are evictable); each is now free."""
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"evict: num_blocks={num_blocks!r} must be an integer >= 0")
+        heap = [(n.last_access, n.node_id, n) for n in self._evictable_leaves]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_blocks and heap:
+            _, _, leaf = heapq.heappop(heap)
+            take = min(len(leaf.blocks), num_blocks - len(freed))
+            for block_id in reversed(leaf.blocks[len(leaf.blocks) - take:]):
+                assert self.allocator.ref_count(block_id) == 1, \
+                    f"evicting block {block_id} of unlocked {leaf}, but a holder has it"
+                self.allocator.decref(block_id, to_front=True)  # worthless now: reuse first
+                del self._node_of_block[block_id]
+                freed.append(block_id)
+            self.num_evictable_blocks -= take
+            if take < len(leaf.blocks):  # trimmed: the leaf keeps its first blocks
+                leaf.blocks = leaf.blocks[:len(leaf.blocks) - take]
+                leaf.key = leaf.key[:len(leaf.blocks) * self.block_size]
+                continue
+            parent = leaf.parent
+            del parent.children[leaf.key[:self.block_size]]
+            self._evictable_leaves.discard(leaf)
+            leaf.parent = None  # marks it evicted: lock / path_blocks refuse it
+            self._update_leaf(parent)
+            if parent in self._evictable_leaves:  # a parent whose last child went
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        self.num_evicted_blocks += len(freed)
+        return freed
+
+    # ---- the walk ------------------------------------------------------------------------
+
+    def _walk(self, tokens: tuple[int, ...], split: bool
+              ) -> tuple[list[int], RadixNode, int]:
+        """Follow `tokens` (a multiple of block_size long is assumed; a shorter tail is
+        ignored) down from the root, block by block.
+
+        Returns (blocks matched, deepest node, tokens matched). With split=True a match
+        ending inside a node splits it there (so the answer ends at a node) and the path is
+        marked as used; with split=False nothing changes and the node returned is the last
+        one matched whole."""
+        bs = self.block_size
+        node, matched, blocks = self.root, 0, []
+        now = next(self._clock) if split else 0
+        while len(tokens) - matched >= bs:
+            child = node.children.get(tokens[matched:matched + bs])
+            if child is None:
+                break
+            common = _common_blocks(child.key, tokens, matched, bs)
+            if common < len(child.key):
+                if not split:
+                    blocks.extend(child.blocks[:common // bs])
+                    matched += common
+                    break
+                child = self._split(child, common)
+            if split:
+                child.last_access = now
+            blocks.extend(child.blocks)
+            matched += common
+            node = child
+        return blocks, node, matched
+
+    def _split(self, child: RadixNode, num_tokens: int) -> RadixNode:
+        """Cut `child` after its first num_tokens tokens (a whole number of blocks): a new
+        node takes that head and becomes child's parent. Locks are copied (every lock on
+        child passes through the new node), so no size moves."""
+        bs = self.block_size
+        head_blocks = num_tokens // bs
+        top = RadixNode(child.key[:num_tokens], child.blocks[:head_blocks], child.parent,
+                        child.last_access, next(self._ids))
+        top.lock_ref = child.lock_ref
+        child.parent.children[top.key[:bs]] = top  # same first block: replaces child there
+        child.key = child.key[num_tokens:]
+        child.blocks = child.blocks[head_blocks:]
+        child.parent = top
+        top.children[child.key[:bs]] = child
+        for block_id in top.blocks:
+            self._node_of_block[block_id] = top
+        return top
+
+    def _path(self, node: RadixNode) -> list[RadixNode]:
+        """node, its parent, ... up to (not including) the root; ValueError if node is not
+        in this tree (evicted, or another tree's)."""
+        path = []
+        while node is not self.root:
+            if node.parent is None:
+                raise ValueError(f"{node} is not in this tree (evicted?)")
+            path.append(node)
+            node = node.parent
+        return path
+
+    def _update_leaf(self, node: RadixNode) -> None:
+        """Keep _evictable_leaves == the unlocked leaves (the root is never one)."""
+        if node.is_leaf and node.lock_ref == 0 and node is not self.root:
+            self._evictable_leaves.add(node)
+        else:
+            self._evictable_leaves.discard(node)
+
+    # ---- inspection ----------------------------------------------------------------------
+
+    def nodes(self) -> list[RadixNode]:
+        """Every node but the root, parents before children (depth first)."""
+        out, stack = [], list(reversed(self.root.children.values()))
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(reversed(node.children.values()))
+        return out
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the tree breaks one of its invariants (module docstring)."""
+        bs, root = self.block_size, self.root
+        assert root.lock_ref == 1 and not root.blocks and root.parent is None, "root changed"
+        seen: dict[int, RadixNode] = {}
+        evictable = protected = 0
+        for node in self.nodes():
+            assert node.blocks and len(node.key) == len(node.blocks) * bs, \
+                f"{node}: key of {len(node.key)} tokens for {len(node.blocks)} blocks"
+            assert node.parent.children.get(node.key[:bs]) is node, \
+                f"{node} is not its parent's child under its first block"
+            assert node.lock_ref >= 0, f"{node} has a negative lock count"
+            if node.parent is not root:
+                assert node.parent.lock_ref >= node.lock_ref, \
+                    f"{node} is locked more than its parent: lock counts did not walk up"
+            for block_id in node.blocks:
+                assert block_id not in seen, f"block {block_id} is in two nodes"
+                seen[block_id] = node
+                refs = self.allocator.ref_count(block_id)
+                assert refs >= 1, f"cached block {block_id} is free in the allocator"
+                assert node.lock_ref > 0 or refs == 1, \
+                    f"block {block_id} of unlocked {node} has {refs} holders, not the tree alone"
+            if node.lock_ref == 0:
+                evictable += len(node.blocks)
+            else:
+                protected += len(node.blocks)
+        assert seen == self._node_of_block, "block -> node map is stale"
+        assert (evictable, protected) == (self.num_evictable_blocks,
+                                          self.num_protected_blocks), \
+            (f"sizes: evictable {self.num_evictable_blocks} / protected "
+             f"{self.num_protected_blocks}, but the tree has {evictable} / {protected}")
+        leaves = {n for n in self.nodes() if n.is_leaf and n.lock_ref == 0}
+        assert leaves == self._evictable_leaves, "eviction heap set != the unlocked leaves"
+
+    def __str__(self) -> str:
+        """The tree as indented text: each node's tokens, blocks, lock count, last access."""
+        lines = [f"radix tree (block_size {self.block_size}): {self.num_cached_blocks} blocks "
+                 f"cached, {self.num_evictable_blocks} evictable, {self.num_protected_blocks} "
+                 "protected", "root  lock 1"]
+
+        def show(node: RadixNode, indent: str) -> None:
+            children = list(node.children.values())
+            for i, child in enumerate(children):
+                last = i == len(children) - 1
+                lines.append(f"{indent}{'└── ' if last else '├── '}{_preview(child.key)}  "
+                             f"blocks {child.blocks}  lock {child.lock_ref}  "
+                             f"t {child.last_access}")
+                show(child, indent + ("    " if last else "│   "))
+
+        show(self.root, "")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"RadixCache(block_size={self.block_size}, cached={self.num_cached_blocks}, "
+                f"evictable={self.num_evictable_blocks}, protected={self.num_protected_blocks})")
+
+
+def _common_blocks(key: tuple[int, ...], tokens: tuple[int, ...], start: int, bs: int) -> int:
+    """Tokens (a multiple of bs) on which key and tokens[start:] agree, whole blocks only."""
+    n = min(len(key), len(tokens) - start) // bs * bs
+    if key[:n] == tokens[start:start + n]:
+        return n  # the common case: the whole key (or all the tokens) matches
+    common = 0
+    while common < n and key[common:common + bs] == tokens[start + common:start + common + bs]:
+        common += bs
+    return common
+
+
+def _preview(key: tuple[int, ...], limit: int = 8) -> str:
+    shown = " ".join(map(str, key[:limit]))
+    return f"[{shown}{' ...' if len(key) > limit else ''}] ({len(key)} tokens)"
+
+
+if __name__ == "__main__":
+    allocator = BlockAllocator(8)
+    tree = RadixCache(block_size=2, allocator=allocator)
+
+    # a computes [1 2 3 4 5 6] in 3 blocks, caches them and locks its node.
+    a_blocks = [allocator.allocate() for _ in range(3)]
+    a = tree.insert([1, 2, 3, 4, 5, 6], a_blocks)
+    tree.lock(a.node)
+    print("a cached [1 2 3 4 5 6]:\n" + str(tree))
+
+    # b = [1 2 3 4 9 9 7] hits a's first 2 blocks (the node is split there), attaches them,
+    # computes [9 9] in a block of its own and caches it: the tree branches.
+    b_tokens = [1, 2, 3, 4, 9, 9, 7]
+    hit = tree.match_prefix(b_tokens)
+    for block_id in hit.block_ids:
+        allocator.incref(block_id)
+    tree.lock(hit.node)
+    b_blocks = hit.block_ids + [allocator.allocate()]
+    b = tree.insert(b_tokens[:6], b_blocks)
+    tree.lock(b.node)
+    tree.unlock(hit.node)
+    print(f"\nb = {b_tokens} hit {hit.num_tokens} tokens {hit.block_ids}, then cached its "
+          f"own block ({b.num_cached_tokens} of its 6 tokens were cached already):\n"
+          + str(tree))
+
+    for block_id in a_blocks:
+        allocator.decref(block_id)
+    tree.unlock(a.node)
+    print("\na retired: its own block stays cached, now evictable:\n" + str(tree))
+    print(f"\nevict(2) frees {tree.evict(2)}: only the unlocked leaf can go, so 1 block:\n"
+          + str(tree))
+    tree.check_invariants()
