@@ -94,3 +94,13 @@ def offline(tiny_dir):
     from refserve import LLM
 
     return LLM(model=str(tiny_dir), block_size=4, num_gpu_blocks_override=512, progress=False)
+
+
+@pytest.fixture(scope="module")
+def long_tiny_dir(tmp_path_factory):
+    """The tiny text model with a 4096-token context: long prompts and long generations
+    that take thousands of (cheap) steps."""
+    from tiny_text_model import save_tiny_text_model
+
+    return save_tiny_text_model(tmp_path_factory.mktemp("tiny-text-4k"),
+                                max_position_embeddings=4096)

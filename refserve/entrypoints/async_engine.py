@@ -218,6 +218,7 @@ class AsyncEngine:
                 self.metrics.count_outcome("rejected" if rejected else "failed")
             op.loop.call_soon_threadsafe(_settle, op.accepted, e)
             return
+        self._idle.clear()  # at once: a drain starting during this turn's step must wait
         for request_id, prompt_token_ids, _ in op.requests:
             self._consumers[request_id] = _Consumer(op.sink, op.loop)
             self.metrics.count_prompt_tokens(len(prompt_token_ids))
