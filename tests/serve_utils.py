@@ -64,7 +64,9 @@ class ServerThread:
         return self.metrics()[f'refserve:requests_total{{outcome="{name}"}}']
 
     def close(self) -> None:
-        self.http.close()
+        """Ends what is still open (error event + [DONE]) rather than cutting it."""
+        if self.http.alive:
+            self.http.drain(timeout=0)
         self.server.stop()
 
 
