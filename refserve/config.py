@@ -42,10 +42,10 @@ KV_CACHE_LAYOUTS = ("paged", "contiguous")
 
 # The token budget of one step when max_num_batched_tokens is None, per backend, chosen as
 # vLLM chooses its defaults per device: one step at the budget must stay well under a second,
-# or every running decode stalls (and a new request waits) that long behind one long prompt.
-# NumPy: one 256-token prefill step of SmolLM2-135M takes ~0.45 s on 2 cores (0.86 s CPU on
-# one; 512 tokens: 1.8 s, 1024: 4.0 s, 2048: 10 s, so the quadratic attention makes one huge
-# step dearer than its chunks). CuPy: vLLM's 8192, the prefill of a long prompt in one step.
+# or every running decode stalls that long behind one long prompt. NumPy: a prefill step of
+# SmolLM2-135M costs 0.86-0.91 s of CPU on one core at 256 tokens (OpenBLAS SkylakeX, one
+# thread, time.thread_time; 512: 1.8 s, 1024: 4.0-4.1 s, 2048: 9.9-10.9 s: attention makes a
+# big step dearer per token), so about half that on 2 cores. CuPy: vLLM's 8192.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"numpy": 256, "cupy": 8192}
 
 
