@@ -127,10 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         sock = bind(options.host, options.port)
     except OSError as e:
         parser.error(f"cannot listen on {options.host}:{options.port}: {e.strerror or e}")
-    if not options.loopback and options.api_key is None:
-        print(f"refserve: WARNING: listening on {options.host} without an API key: anyone "
-              "who can reach this port can use the server (set --api-key or "
-              "$REFSERVE_API_KEY)", file=sys.stderr, flush=True)
+    if options.exposure_warning():
+        print(f"refserve: {options.exposure_warning()}", file=sys.stderr, flush=True)
 
     from refserve.engine import LLMEngine
     from refserve.entrypoints.async_engine import AsyncEngine

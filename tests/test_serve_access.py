@@ -84,3 +84,9 @@ def test_allowed_hosts_widen_the_loopback_rule():
     assert [is_loopback(h) for h in ("127.0.0.7", "::1", "[::1]", "LOCALHOST.", "10.0.0.1",
                                      "0.0.0.0", "localhost.example")] == [
         True, True, True, True, False, False, False]
+
+
+def test_listening_beyond_loopback_without_a_key_warns():
+    assert ServerOptions().exposure_warning() is None
+    assert ServerOptions(host="0.0.0.0", api_key=KEY).exposure_warning() is None
+    assert "without an API key" in ServerOptions(host="0.0.0.0").exposure_warning()

@@ -85,6 +85,13 @@ class ServerOptions:
     def loopback(self) -> bool:
         return is_loopback(self.host)
 
+    def exposure_warning(self) -> str | None:
+        """What to print at start-up when anyone on the network can use the server."""
+        if self.loopback or self.api_key is not None:
+            return None
+        return (f"WARNING: listening on {self.host} without an API key: anyone who can reach "
+                "this port can use the server (set --api-key or $REFSERVE_API_KEY)")
+
     def host_allowed(self, host_header: str | None) -> bool:
         """DNS rebinding defence: a page on evil.example can make the browser resolve
         evil.example to 127.0.0.1 and talk to this server, but the browser still sends
