@@ -10,7 +10,7 @@
 | enforce_eager | never capture CUDA graphs (vLLM's name; the NumPy backend is always eager) |
 | max_model_len | longest sequence (prompt + output) a request may reach |
 | max_num_seqs | seats in the running batch (continuous-batching slot cap) |
-| max_num_batched_tokens | token budget of one step (longer prompts: chunked prefill) |
+| max_num_batched_tokens | token budget of one step (chunked prefill); None: the backend's |
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
@@ -40,6 +40,19 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 BATCHING = ("continuous", "static")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
 
+# The token budget of one step when max_num_batched_tokens is None, per backend, chosen as
+# vLLM chooses its defaults per device: one step at the budget must stay well under a second,
+# or every running decode stalls that long behind one long prompt. NumPy: a prefill step of
+# SmolLM2-135M costs 0.86-0.91 s of CPU on one core at 256 tokens (OpenBLAS SkylakeX, one
+# thread, time.thread_time; 512: 1.8 s, 1024: 4.0-4.1 s, 2048: 9.9-10.9 s: attention makes a
+# big step dearer per token), so about half that on 2 cores. CuPy: vLLM's 8192.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"numpy": 256, "cupy": 8192}
+
+
+def resolve_max_num_batched_tokens(value: int | None, backend_name: str) -> int:
+    """`value`, or the backend's default token budget when it is None."""
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS[backend_name] if value is None else value
+
 # Old name -> vLLM's name. The old names still work and warn once per process.
 DEPRECATED_ALIASES = {"num_gpu_blocks": "num_gpu_blocks_override",
                       "kv_cache_memory": "kv_cache_memory_bytes"}
@@ -64,7 +77,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 2 * 1024**3
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None   # None: the backend's default
     enable_prefix_caching: bool = True
     batching: str = "continuous"
     kv_cache_layout: str = "paged"
@@ -105,10 +118,9 @@ class EngineConfig:
         if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}: choose one of "
                              f"{', '.join(KV_CACHE_LAYOUTS)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes"):
+        for name in ("block_size", "max_num_seqs", "kv_cache_memory_bytes"):
             positive_int(name)
-        for name in ("num_gpu_blocks_override", "max_model_len"):
+        for name in ("num_gpu_blocks_override", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 positive_int(name)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(

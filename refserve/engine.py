@@ -20,6 +20,7 @@ The offline API around it (`LLM`, vLLM's names) is refserve/llm.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -28,7 +29,7 @@ import numpy as np
 
 import refserve.capacity as capacity
 from refserve.backends import get_backend
-from refserve.config import EngineConfig
+from refserve.config import EngineConfig, resolve_max_num_batched_tokens
 from refserve.detokenizer import IncrementalDetokenizer
 from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
@@ -74,6 +75,12 @@ class LLMEngine:
         self.progress = progress
         self.model_path = resolve_model_path(config.model, progress)
         self.backend = get_backend(config.backend)
+        # None means the backend's default token budget (config.py), resolved once, here.
+        budget_source = "max_num_batched_tokens"
+        if config.max_num_batched_tokens is None:
+            budget_source = f"the {self.backend.name} default"
+            self.config = config = dataclasses.replace(config, max_num_batched_tokens=(
+                resolve_max_num_batched_tokens(None, self.backend.name)))
         # Weights and KV cache dtype; refused here (before loading) if the backend lacks it.
         self.dtype = self.backend.resolve_dtype(config.dtype)
         self.model = load_model(self.model_path, self.backend, self.dtype)
@@ -170,7 +177,8 @@ class LLMEngine:
                   f"{num_blocks} blocks × {self.block_size} tokens = {tokens} tokens, "
                   f"{num_blocks * bytes_per_block / 1024**3:.2f} GiB | max concurrency at "
                   f"max_model_len {self.max_model_len}: {tokens / self.max_model_len:.2f}x"
-                  f" | sized by {knob}", file=sys.stderr, flush=True)
+                  f" | sized by {knob} | token budget {config.max_num_batched_tokens} per "
+                  f"step ({budget_source})", file=sys.stderr, flush=True)
             if spec is not None:
                 draft = ""
                 if draft_bytes_per_token:

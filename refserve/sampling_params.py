@@ -17,8 +17,8 @@
 | stop_token_ids | [] | token ids that end the sequence (besides EOS) |
 | include_stop_str_in_output | False | keep the matched stop string in the text |
 | ignore_eos | False | EOS does not end the sequence |
-| logprobs | None | per generated token: top-N logprobs plus the sampled token's |
-| prompt_logprobs | None | per prompt token: top-N logprobs plus the prompt token's |
+| logprobs | None | per generated token: top-N logprobs plus the sampled token's (N <= 20) |
+| prompt_logprobs | None | per prompt token: top-N logprobs plus the prompt token's (N <= 20) |
 
 Every field is checked for its type (TypeError) and its range (ValueError) at construction,
 with a message that starts `SamplingParams.<field>=<value>:`. Integers may be Python or NumPy
@@ -35,6 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 
 GREEDY_BELOW = 1e-5     # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+# Most top tokens one position may report: vLLM's default max_logprobs. Each one is a dict
+# entry per generated token, so an unbounded N (say 10**6) would build a vocabulary-sized
+# dict every step.
+MAX_LOGPROBS = 20
 
 # Field name -> (kind, allows None). kind: "int" | "float" | "bool".
 _SCALARS = {
@@ -114,8 +118,9 @@ class SamplingParams:
               "must be an integer >= 0, or None / -1 for an unseeded request")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or value >= 0, name,
-                  "must be None or an integer >= 0 (how many top tokens to report)")
+            check(value is None or 0 <= value <= MAX_LOGPROBS, name,
+                  f"must be None or an integer in 0..{MAX_LOGPROBS} (how many top tokens to "
+                  "report; vLLM's max_logprobs)")
         check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "token ids must be >= 0")

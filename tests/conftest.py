@@ -66,3 +66,41 @@ def tiny_folder(tmp_path_factory):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# ---- the server tests (tests/test_serve*.py; helpers in tests/serve_utils.py) ------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama with a real tiny tokenizer and a chat template (text prompts)."""
+    from tiny_text_model import save_tiny_text_model
+
+    return save_tiny_text_model(tmp_path_factory.mktemp("tiny-text"))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    """One server per test module: the engine loop and uvicorn on a free 127.0.0.1 port."""
+    from serve_utils import ServerThread, make_engine
+
+    s = ServerThread(make_engine(tiny_dir))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir):
+    """The same tiny model behind the offline API, for what the server must equal."""
+    from refserve import LLM
+
+    return LLM(model=str(tiny_dir), block_size=4, num_gpu_blocks_override=512, progress=False)
+
+
+@pytest.fixture(scope="module")
+def long_tiny_dir(tmp_path_factory):
+    """The tiny text model with a 4096-token context: long prompts and long generations
+    that take thousands of (cheap) steps."""
+    from tiny_text_model import save_tiny_text_model
+
+    return save_tiny_text_model(tmp_path_factory.mktemp("tiny-text-4k"),
+                                max_position_embeddings=4096)

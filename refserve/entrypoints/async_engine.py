@@ -9,15 +9,18 @@ Who touches what
                     an add or an abort to the inbox and wakes the engine thread. Outputs come
                     back on the caller's `asyncio.Queue`, put there with
                     `loop.call_soon_threadsafe` because asyncio queues are not thread-safe.
+                    A request's prompts (a completion may batch several) are one add, so the
+                    engine takes all of them in the same turn, or none.
 
 Every request gets exactly one outcome (the `outcome` counter of `ServerMetrics`):
     rejected   its add failed: bad input (`ValueError`, HTTP 400) or the waiting queue already
-               holds `max_waiting` sequences (`QueueFull`, HTTP 503)
+               holds `max_waiting` sequences or the server is draining (`QueueFull`, 503)
     finished   its last `RequestOutput` (finished=True) was delivered
     aborted    the client went away: `abort()`; its KV blocks are freed at the next step
                boundary (a forward in flight cannot be interrupted)
     failed     a step raised for it: it is aborted and a `RequestFailed` is delivered (HTTP
-               500); the other requests and the loop carry on
+               500); the other requests and the loop carry on. `stop()` fails whatever is
+               still open the same way, with status 503 (the server is shutting down).
 """
 
 from __future__ import annotations
@@ -38,16 +41,17 @@ class QueueFull(Exception):
 
 @dataclass
 class RequestFailed:
-    """Delivered instead of an output when a step failed for this request (HTTP 500)."""
+    """Delivered instead of an output when a step failed for this request (HTTP 500), or
+    when the server shut down while it ran (503)."""
     request_id: str
     message: str
+    status: int = 500
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    """One HTTP request's engine requests: (request_id, prompt_token_ids, params) each."""
+    requests: list[tuple[str, list[int], SamplingParams]]
     arrival_time: float
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
@@ -56,7 +60,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    request_ids: list[str]
 
 
 @dataclass
@@ -82,6 +86,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._consumers: dict[str, _Consumer] = {}
         self._stopping = False
+        self._closed = False                    # the loop has exited: posts are refused
+        self.draining = False                   # begin_drain(): adds are refused (503)
+        self._idle = threading.Event()          # set while no request is open
+        self._idle.set()
         self._thread: threading.Thread | None = None
         self.num_steps_failed = 0
         self._snapshot()
@@ -92,31 +100,54 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """End the loop: every request still open gets a `RequestFailed` (status 503)."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (QueueFull, HTTP 503); running ones go on."""
+        self.draining = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no request is open (True) or `timeout` seconds passed (False)."""
+        return self._idle.wait(timeout)
+
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   sink: asyncio.Queue, arrival_time: float | None = None) -> None:
-        """Queue a request; returns once the engine took it. Outputs (and a `RequestFailed`,
-        if a step fails for it) then arrive on `sink`. Raises ValueError (bad input, the
-        engine's message) or QueueFull; in both cases nothing of the request is left."""
+        """Queue one request; see `add_many`."""
+        await self.add_many([(request_id, prompt_token_ids, params)], sink, arrival_time)
+
+    async def add_many(self, requests: list[tuple[str, list[int], SamplingParams]],
+                       sink: asyncio.Queue, arrival_time: float | None = None) -> None:
+        """Queue (request_id, prompt_token_ids, params) requests in one engine turn; returns
+        once the engine took all of them. Outputs (and a `RequestFailed` if a step fails
+        for one) then arrive on `sink`. Raises ValueError (bad input, the engine's message)
+        or QueueFull; in both cases nothing of any of them is left."""
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
-        self._post(_Add(request_id, prompt_token_ids, params,
+        self._post(_Add(list(requests),
                         time.perf_counter() if arrival_time is None else arrival_time,
                         sink, loop, accepted))
         await accepted
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request (client gone). Safe to call for finished or unknown ids."""
-        self._post(_Abort(request_id))
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Stop requests (client gone): one id or a list, all in the engine's next turn.
+        Safe to call for finished or unknown ids."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if ids:
+            self._post(_Abort(ids))
 
     def _post(self, op) -> None:
         with self._inbox_lock:
-            self._inbox.append(op)
-        self._wake.set()
+            if not self._closed:
+                self._inbox.append(op)
+                self._wake.set()
+                return
+        if isinstance(op, _Add):  # the loop is gone: nobody else will ever answer it
+            op.loop.call_soon_threadsafe(_settle, op.accepted,
+                                         QueueFull("the server is shutting down"))
 
     @property
     def request_ids(self) -> list[str]:
@@ -135,8 +166,10 @@ class AsyncEngine:
                 # so no wake-up is lost.
                 self._wake.clear()
                 ops, self._inbox = self._inbox, []
+                self._closed = self._stopping  # later posts are answered by _post itself
             if self._stopping:
                 self._shut_down(ops)
+                self._idle.set()
                 return
             with self.lock:
                 for op in ops:
@@ -148,31 +181,47 @@ class AsyncEngine:
                     self._snapshot()
                 except Exception:  # noqa: BLE001 - stale gauges must not stop serving
                     traceback.print_exc()
+                if self._consumers:
+                    self._idle.clear()
+                else:
+                    self._idle.set()
             if not busy:
                 self._wake.wait()
 
     def _apply(self, op) -> None:
         if isinstance(op, _Abort):
-            self._consumers.pop(op.request_id, None)
-            if self.engine.abort(op.request_id):
-                self.metrics.count_outcome("aborted")
+            for request_id in op.request_ids:
+                self._consumers.pop(request_id, None)
+                if self.engine.abort(request_id):
+                    self.metrics.count_outcome("aborted")
             return
+        added: list[str] = []
         try:
-            # Sequences, not requests: an n-way request occupies n seats once it runs.
+            # Sequences, not requests: an n-way request occupies n seats once it runs. The
+            # queue is full when it already holds max_waiting; a request joins it whole.
+            if self.draining:
+                raise QueueFull("the server is shutting down; retry on another server")
             if self.engine.scheduler.num_waiting >= self.max_waiting:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} sequences "
                                 "waiting); retry later")
-            self.engine.add_request(op.request_id, op.prompt_token_ids, op.params,
-                                    arrival_time=op.arrival_time)
+            for request_id, prompt_token_ids, params in op.requests:
+                self.engine.add_request(request_id, prompt_token_ids, params,
+                                        arrival_time=op.arrival_time)
+                added.append(request_id)
         except Exception as e:  # noqa: BLE001 - any error belongs to this request alone
             # ValueError (bad input) and QueueFull are the caller's to fix: rejected.
-            # Anything else is a server fault: failed (HTTP 500).
+            # Anything else is a server fault: failed (HTTP 500). All or nothing: the
+            # prompts added before the one that failed are taken back.
+            self.engine.abort(added)
             rejected = isinstance(e, (ValueError, QueueFull))
-            self.metrics.count_outcome("rejected" if rejected else "failed")
+            for _ in op.requests:
+                self.metrics.count_outcome("rejected" if rejected else "failed")
             op.loop.call_soon_threadsafe(_settle, op.accepted, e)
             return
-        self._consumers[op.request_id] = _Consumer(op.sink, op.loop)
-        self.metrics.count_prompt_tokens(len(op.prompt_token_ids))
+        self._idle.clear()  # at once: a drain starting during this turn's step must wait
+        for request_id, prompt_token_ids, _ in op.requests:
+            self._consumers[request_id] = _Consumer(op.sink, op.loop)
+            self.metrics.count_prompt_tokens(len(prompt_token_ids))
         op.loop.call_soon_threadsafe(_settle, op.accepted, None)
 
     def _step(self) -> None:
@@ -195,7 +244,7 @@ class AsyncEngine:
                 self.metrics.observe_finished(out)
             consumer.put(out)
 
-    def _fail(self, request_id: str, message: str) -> None:
+    def _fail(self, request_id: str, message: str, status: int = 500) -> None:
         consumer = self._consumers.pop(request_id, None)
         try:
             self.engine.abort(request_id)  # frees its blocks; the pool stays consistent
@@ -203,17 +252,19 @@ class AsyncEngine:
             pass
         if consumer is not None:
             self.metrics.count_outcome("failed")
-            consumer.put(RequestFailed(request_id, message))
+            consumer.put(RequestFailed(request_id, message, status))
 
     def _shut_down(self, ops) -> None:
         with self.lock:
             for op in ops:
                 if isinstance(op, _Add):
-                    self.metrics.count_outcome("rejected")
+                    for _ in op.requests:
+                        self.metrics.count_outcome("rejected")
                     op.loop.call_soon_threadsafe(
                         _settle, op.accepted, QueueFull("the server is shutting down"))
             for request_id in list(self._consumers):
-                self._fail(request_id, "the server is shutting down")
+                self._fail(request_id, "the server is shutting down: this request did not "
+                           "finish within the shutdown timeout", status=503)
 
     def _snapshot(self) -> None:
         """Gauges for /metrics, read without the lock (one attribute assignment)."""

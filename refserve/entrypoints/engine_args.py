@@ -11,7 +11,14 @@ import argparse
 import json
 
 from refserve.capacity import parse_memory
-from refserve.config import BACKENDS, BATCHING, DTYPES, KV_CACHE_LAYOUTS, EngineConfig
+from refserve.config import (
+    BACKENDS,
+    BATCHING,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DTYPES,
+    KV_CACHE_LAYOUTS,
+    EngineConfig,
+)
 
 
 def _memory(text: str) -> int:
@@ -44,7 +51,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step; longer prompts are prefilled in chunks "
+                   "(default: the backend's, " + ", ".join(
+                       f"{b} {n}" for b, n in DEFAULT_MAX_NUM_BATCHED_TOKENS.items()) +
+                   ": one NumPy step stays well under a second on 2 cores)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
     e.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")

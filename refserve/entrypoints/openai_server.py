@@ -3,43 +3,57 @@
     POST /v1/completions        prompt (string, token ids, or a list of either) → text
     POST /v1/chat/completions   messages → the chat template, applied here → text
     GET  /v1/models             the one model served
-    GET  /health                200 while the engine loop runs
+    GET  /health                200 while the engine loop runs (503 once it stopped or drains)
     GET  /metrics               Prometheus text (see prometheus.py)
 
-A request's life: parse and check every field (400 naming the field), tokenize, check the
-prompt against max_model_len (400), hand it to the engine loop (503 with Retry-After when the
-waiting queue is full), then either wait for the final outputs or stream server-sent events
-in OpenAI's chunk format, ending with `data: [DONE]`. Whatever way the handler is left
-(finished, client gone, error), every engine request it added is finished or aborted:
-aborting frees the request's KV blocks at the engine's next step boundary.
+A request's life, cheapest checks first, so that no request can stall the others:
+
+    guards.py      Host, API key, body size (413) and body time (408), before FastAPI
+    _json          Content-Type must be application/json (415); the body must be JSON that
+                   Python can hold (400: not JSON, nested too deeply, a 5000-digit number)
+    protocol.py    every field checked (400 naming the field)
+    _check_limits  n <= max_num_seqs, prompts per request, and text that cannot fit
+                   max_model_len refused BEFORE tokenizing (a token covers at most
+                   `max_chars_per_token` characters, so longer text has too many tokens)
+    tokenize       in a worker thread: a long prompt or chat template never blocks the
+                   event loop (/health, other requests, streams)
+    add_many       all of the request's prompts in one engine turn (503 + Retry-After when
+                   the waiting queue is full or the server drains)
+    respond        openai_outputs.py: one body, or server-sent events ending `data: [DONE]`
+
+Any exception nobody expected still leaves as a 500 in OpenAI's error shape, never as
+plain text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from refserve.entrypoints.async_engine import AsyncEngine, QueueFull, RequestFailed
-from refserve.entrypoints.detokenize import DeltaTracker
+from refserve.entrypoints.async_engine import AsyncEngine, QueueFull
+from refserve.entrypoints.guards import Guard
+from refserve.entrypoints.openai_outputs import Context, collect, stream
+from refserve.entrypoints.options import ServerOptions
 from refserve.entrypoints.protocol import (
     APIError,
     GenerationRequest,
-    chunk_body,
     error_body,
     new_id,
     parse_chat_request,
     parse_completion_request,
-    response_body,
-    usage_chunk,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DISCONNECT_POLL_S = 0.25            # how often a non-streaming handler checks its client
+ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
+log = logging.getLogger("uvicorn.error")
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -54,10 +68,29 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def build_app(server: AsyncEngine, model_name: str) -> FastAPI:
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one token can stand for: its vocabulary string's length (a
+    byte-level BPE token string has one character per byte, and a text character is at
+    least one byte; SentencePiece's byte tokens are longer than the byte they stand for),
+    plus one for a space a tokenizer may add or drop."""
+    return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))) + 1
+
+
+def build_app(server: AsyncEngine, model_name: str,
+              options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
     engine = server.engine
-    app = FastAPI(title="refserve", summary="OpenAI-compatible API over refserve's engine")
+    docs = {} if options.docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="refserve", summary="OpenAI-compatible API over refserve's engine",
+                  **docs)
+    app.add_middleware(Guard, options=options)
     app.state.server = server
+    # One worker: tokenizing is CPU work that would otherwise run on the event loop; a
+    # queue of one keeps the tokenizer to one caller at a time (the engine thread only
+    # decodes).
+    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refserve-tokenize")
+    char_limit = (engine.max_model_len * max_chars_per_token(engine.tokenizer)
+                  if engine.tokenizer is not None else None)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -66,16 +99,22 @@ def build_app(server: AsyncEngine, model_name: str) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = (f"no route {request.method} {request.url.path}; see /v1/completions, "
-                   "/v1/chat/completions, /v1/models, /health, /metrics"
+        message = (f"no route {request.method} {request.url.path}; see {ROUTES}"
                    if exc.status_code in (404, 405) else str(exc.detail))
         return JSONResponse(error_body(message, kind, None, exc.status_code),
                             status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # A bug, not the client's doing: uvicorn still logs the traceback after this.
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}: "
+                                       f"{exc}", "server_error", None, 500), status_code=500)
+
     @app.get("/health")
     async def health():
-        if not server.alive:
-            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        if not server.alive or server.draining:
+            state = "draining" if server.alive else "engine loop stopped"
+            return JSONResponse({"status": state}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -91,14 +130,37 @@ def build_app(server: AsyncEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(request, parse_completion_request(await _json(request)))
+        body = await _json(request)
+        return await _generate(request, parse_completion_request(body, options.max_logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(request, parse_chat_request(await _json(request)))
+        body = await _json(request)
+        return await _generate(request, parse_chat_request(body, options.max_logprobs))
 
     # ---------------------------------------------------------------- one request
-    def _prompt_token_ids(req: GenerationRequest) -> list[list[int]]:
+    def _check_limits(req: GenerationRequest) -> None:
+        """Refuse what cannot be served before paying for it (tokenizing, the engine)."""
+        n = req.sampling["n"]
+        if n > engine.config.max_num_seqs:
+            raise APIError(f"'n' is {n}, more than this server's max_num_seqs="
+                           f"{engine.config.max_num_seqs} batch seats", "n")
+        if len(req.prompts) > options.max_prompts_per_request:
+            raise APIError(f"'prompt' holds {len(req.prompts)} prompts, more than this "
+                           f"server's limit of {options.max_prompts_per_request} per request "
+                           "(--max-prompts-per-request); split it", "prompt")
+        field = "messages" if req.kind == "chat" else "prompt"
+        texts = ([sum(len(m["content"]) for m in req.messages)] if req.kind == "chat" else
+                 [len(p) for p in req.prompts if isinstance(p, str)])
+        for chars in texts:
+            if char_limit is not None and chars > char_limit:
+                raise APIError(f"This model's maximum context length is "
+                               f"{engine.max_model_len} tokens; the {field} has {chars} "
+                               f"characters, more than {engine.max_model_len} tokens can "
+                               "hold. Shorten it.", field)
+
+    def _prompt_token_ids(req: GenerationRequest) -> tuple[list[list[int]], list[str]]:
+        """Token ids (and, for echo, the text) of each prompt. Runs in the worker thread."""
         field = "messages" if req.kind == "chat" else "prompt"
         try:
             if req.kind == "chat":
@@ -108,9 +170,11 @@ def build_app(server: AsyncEngine, model_name: str) -> FastAPI:
                                      "/v1/completions")
                 text = tok.apply_chat_template(req.messages, tokenize=False,
                                                add_generation_prompt=True)
-                prompts = [engine.encode(text)]
+                prompts, texts = [engine.encode(text)], [text]
             else:
                 prompts = [engine.encode(p) if isinstance(p, str) else p for p in req.prompts]
+                texts = [p if isinstance(p, str) else _decode(p) for p in req.prompts] \
+                    if req.echo else [""] * len(prompts)
         except ValueError as e:
             raise APIError(str(e), field) from e
         for ids in prompts:
@@ -120,7 +184,16 @@ def build_app(server: AsyncEngine, model_name: str) -> FastAPI:
                 raise APIError(f"This model's maximum context length is "
                                f"{engine.max_model_len} tokens; the prompt has {len(ids)} "
                                "tokens. Shorten it.", field)
-        return prompts
+        return prompts, texts
+
+    def _decode(ids: list[int]) -> str:
+        if engine.tokenizer is None:
+            return ""
+        vocab = engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids holds an unknown token id; valid ids are "
+                             f"0..{vocab - 1}")
+        return engine.tokenizer.decode(ids)
 
     def _max_tokens(req: GenerationRequest, prompt_len: int) -> int:
         room = engine.max_model_len - prompt_len
@@ -137,133 +210,66 @@ def build_app(server: AsyncEngine, model_name: str) -> FastAPI:
 
     async def _generate(request: Request, req: GenerationRequest):
         arrival = time.perf_counter()
+        if server.draining:
+            raise _unavailable("the server is shutting down; retry on another server")
         if req.model is not None and req.model != model_name:
             raise APIError(f"The model '{req.model}' does not exist; this server serves "
                            f"'{model_name}'", "model", status=404, code="model_not_found")
-        prompts = _prompt_token_ids(req)
+        _check_limits(req)
+        prompts, texts = await asyncio.get_running_loop().run_in_executor(
+            tokenize_pool, _prompt_token_ids, req)
         params = [req.sampling_params(_max_tokens(req, len(ids))) for ids in prompts]
         response_id = new_id(req.kind)
         engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         sink: asyncio.Queue = asyncio.Queue()
         try:
-            for rid, ids, sp in zip(engine_ids, prompts, params):
-                await server.add(rid, ids, sp, sink, arrival_time=arrival)
+            await server.add_many(list(zip(engine_ids, prompts, params)), sink,
+                                  arrival_time=arrival)
         except BaseException as e:
-            # All of them, the one in flight included: an abort queued after its add undoes
-            # it, and aborting an id the engine never took is a no-op.
-            for rid in engine_ids:
-                server.abort(rid)
+            # An abort queued after the add (the client left while it was in flight)
+            # undoes it; aborting ids the engine never took is a no-op.
+            server.abort(engine_ids)
             if isinstance(e, QueueFull):
-                raise APIError(str(e), None, status=503, type="service_unavailable_error",
-                               headers={"Retry-After": "1"}) from e
+                raise _unavailable(str(e)) from e
             if isinstance(e, ValueError):
                 raise APIError(str(e), "messages" if req.kind == "chat" else "prompt") from e
             if isinstance(e, Exception):
                 raise APIError(f"the engine could not take the request: {e}", None,
                                status=500, type="server_error") from e
             raise
-        n = params[0].n
-        context = _Context(req, response_id, model_name, engine_ids, n,
-                           sum(len(ids) for ids in prompts), params[0].stop)
+        ctx = Context(req, response_id, model_name, engine_ids, prompts, texts,
+                      params[0].n, params[0].stop)
         if req.stream:
-            return _ClosingStreamingResponse(_stream(server, sink, context),
+            return _ClosingStreamingResponse(stream(server, sink, ctx),
                                              media_type="text/event-stream")
-        return await _collect(server, request, sink, context)
+        return await collect(server, request, sink, ctx)
 
     return app
 
 
+def _unavailable(message: str) -> APIError:
+    return APIError(message, None, status=503, type="service_unavailable_error",
+                    headers={"Retry-After": "1"})
+
+
 async def _json(request: Request) -> dict:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        # Also a CSRF guard: a web page can POST text/plain cross-site without asking,
+        # but not application/json.
+        raise APIError(f"Content-Type {media or 'missing'!r}: send the body as JSON with "
+                       "'Content-Type: application/json'", None, status=415)
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}") from e
-
-
-class _Context:
-    """What a response needs to know about the request it answers."""
-
-    def __init__(self, req: GenerationRequest, response_id: str, model: str,
-                 engine_ids: list[str], n: int, prompt_tokens: int, stop: list[str]) -> None:
-        self.kind, self.response_id, self.model = req.kind, response_id, model
-        self.include_usage = req.include_usage
-        self.engine_ids = engine_ids
-        self.prompt_index = {rid: i for i, rid in enumerate(engine_ids)}
-        self.n, self.prompt_tokens, self.stop = n, prompt_tokens, stop
-
-    def choice_index(self, request_id: str, completion_index: int) -> int:
-        # Prompt p's completions are choices p*n .. p*n + n-1, as OpenAI numbers them.
-        return self.prompt_index[request_id] * self.n + completion_index
-
-
-async def _collect(server: AsyncEngine, request: Request, sink: asyncio.Queue,
-                   ctx: _Context):
-    finals = {}
+        raw = await request.body()
+    except ClientDisconnect:
+        client = request.client
+        log.warning("client %s left before its request body was complete",
+                    f"{client.host}:{client.port}" if client else "?")
+        raise APIError("the client left mid-body", None, status=400) from None
     try:
-        while len(finals) < len(ctx.engine_ids):
-            try:
-                item = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:  # (TimeoutError itself only from 3.11 on)
-                if await request.is_disconnected():
-                    return PlainTextResponse("", status_code=499)  # nobody reads it
-                continue
-            if isinstance(item, RequestFailed):
-                return JSONResponse(error_body(item.message, "server_error"), status_code=500)
-            if item.finished:
-                finals[item.request_id] = item
-    finally:
-        for rid in ctx.engine_ids:
-            if rid not in finals:
-                server.abort(rid)
-    choices, completion_tokens = [], 0
-    for rid in ctx.engine_ids:
-        for c in finals[rid].outputs:
-            choices.append((ctx.choice_index(rid, c.index), c.text, c.finish_reason))
-            completion_tokens += len(c.token_ids)
-    return response_body(ctx.kind, ctx.response_id, ctx.model, choices, ctx.prompt_tokens,
-                         completion_tokens)
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-async def _stream(server: AsyncEngine, sink: asyncio.Queue, ctx: _Context):
-    created = int(time.time())
-    trackers: dict[int, DeltaTracker] = {}
-    done_choices: set[int] = set()
-    done_requests: set[str] = set()
-    completion_tokens = 0
-    try:
-        if ctx.kind == "chat":  # OpenAI opens each chat choice with its role
-            for i in range(len(ctx.engine_ids) * ctx.n):
-                yield _sse(chunk_body("chat", ctx.response_id, ctx.model, created, i, None,
-                                      None, role=True))
-        while len(done_requests) < len(ctx.engine_ids):
-            item = await sink.get()
-            if isinstance(item, RequestFailed):
-                yield _sse(error_body(item.message, "server_error", None, 500))
-                return
-            for c in item.outputs:
-                index = ctx.choice_index(item.request_id, c.index)
-                if index in done_choices:
-                    continue
-                finished = c.finish_reason is not None
-                tracker = trackers.setdefault(index, DeltaTracker(ctx.stop))
-                delta = tracker.delta(c.text, finished)
-                if delta or finished:
-                    yield _sse(chunk_body(ctx.kind, ctx.response_id, ctx.model, created, index,
-                                          delta or None, c.finish_reason if finished else None))
-                if finished:
-                    done_choices.add(index)
-                    completion_tokens += len(c.token_ids)
-            if item.finished:
-                done_requests.add(item.request_id)
-        if ctx.include_usage:
-            yield _sse(usage_chunk(ctx.kind, ctx.response_id, ctx.model, created,
-                                   ctx.prompt_tokens, completion_tokens))
-        yield "data: [DONE]\n\n"
-    finally:
-        for rid in ctx.engine_ids:
-            if rid not in done_requests:
-                server.abort(rid)
+        return json.loads(raw)
+    except RecursionError:
+        raise APIError("the request body is JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        # JSONDecodeError is a ValueError; so is Python's limit on integer digits.
+        raise APIError(f"the request body is not valid JSON: {e}") from None

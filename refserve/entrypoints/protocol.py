@@ -10,6 +10,14 @@
     stop_token_ids, min_p, min_tokens,
     presence_penalty, frequency_penalty,
     repetition_penalty, include_stop_str_in_output
+    logprobs (completions) logprobs            the top N per token, N <= max_logprobs
+    logprobs + top_logprobs logprobs           chat: logprobs true, top_logprobs N
+      (chat)
+    echo (completions)     prompt_logprobs     the prompt is sent back before the text
+                                               (with its logprobs when logprobs is set)
+    stream_options                             {include_usage, continuous_usage_stats};
+                                               include_usage defaults to true once the
+                                               object is given, as in vLLM
 
 Every check raises `APIError` naming the offending field (`param`), which the server
 returns as OpenAI's error body with HTTP 400:
@@ -17,19 +25,22 @@ returns as OpenAI's error body with HTTP 400:
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p",
                "code": null}}
 
-Fields OpenAI defines that refserve does not implement (logprobs, echo, penalties, ...)
-are refused with 400 when set to anything but their neutral value, never silently ignored.
+Fields OpenAI defines that refserve does not implement (best_of, suffix, logit_bias,
+tools, ...) are refused with 400 when set to anything but their neutral value, never
+silently ignored. Text that no tokenizer can read (a lone surrogate such as "\ud800",
+which JSON can spell) is refused with 400 naming its field. Response shapes are in
+responses.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import uuid
 from dataclasses import dataclass, field
 
 from refserve.sampling import SamplingParams
+from refserve.sampling_params import MAX_LOGPROBS
 
 
 class APIError(Exception):
@@ -59,8 +70,7 @@ EXTRA_FIELDS = {"min_p": ((int, float), "a number"), "min_tokens": ((int,), "an 
                 "include_stop_str_in_output": ((bool,), "true or false")}
 
 # Unsupported OpenAI fields and the value that means "off".
-UNSUPPORTED_NEUTRAL = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
-                       "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+UNSUPPORTED_NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""),
                        "logit_bias": (None, {}), "tools": (None, []),
                        "response_format": (None, {"type": "text"})}
 
@@ -77,6 +87,9 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     messages: list[dict] = field(default_factory=list)
+    continuous_usage: bool = False     # stream_options.continuous_usage_stats
+    logprobs: int | None = None        # top N per token, None: no logprobs
+    echo: bool = False                 # completions: the prompt comes back first
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -102,8 +115,20 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None
     return value
 
 
-def _common(body: dict, max_tokens_names: tuple[str, ...]) -> tuple[dict, int | None, bool,
-                                                                       bool, str | None]:
+def _text(value: str, name: str) -> str:
+    """`value` if a tokenizer can read it: JSON may spell a lone surrogate ("\ud800"), which
+    is no character at all and makes the tokenizer raise."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"'{name}' holds {value[e.start]!r} at position {e.start}, a lone "
+                       "surrogate: not text (send it as UTF-8)", name.split("[")[0]) from None
+    return value
+
+
+def _common(body: dict, kind: str, max_tokens_names: tuple[str, ...],
+            max_logprobs: int) -> GenerationRequest:
+    """The fields completions and chat share; the caller fills in its prompt."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     for name, neutral in UNSUPPORTED_NEUTRAL.items():
@@ -132,8 +157,8 @@ def _common(body: dict, max_tokens_names: tuple[str, ...]) -> tuple[dict, int | 
     if top_k < -1:
         raise APIError(f"'top_k' must be -1 (off) or an integer >= 1, got {top_k}", "top_k")
     seed = _get(body, "seed", (int,), "a non-negative integer")
-    if seed is not None and seed < 0:
-        raise APIError(f"'seed' must be a non-negative integer, got {seed}", "seed")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise APIError(f"'seed' must be an integer in 0..2**64-1, got {seed}", "seed")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -141,6 +166,8 @@ def _common(body: dict, max_tokens_names: tuple[str, ...]) -> tuple[dict, int | 
                              or any(not isinstance(s, str) or not s for s in stop)):
         raise APIError("'stop' must be a non-empty string or a list of non-empty strings",
                        "stop")
+    for s in stop or []:
+        _text(s, "stop")
     stop_token_ids = body.get("stop_token_ids") or []
     if (not isinstance(stop_token_ids, list)
             or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
@@ -150,14 +177,16 @@ def _common(body: dict, max_tokens_names: tuple[str, ...]) -> tuple[dict, int | 
     ignore_eos = _get(body, "ignore_eos", (bool,), "true or false", False)
     stream = _get(body, "stream", (bool,), "true or false", False)
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not isinstance(options, dict):
             raise APIError("'stream_options' must be an object", "stream_options")
         if not stream:
             raise APIError("'stream_options' is only allowed with 'stream': true",
                            "stream_options")
-        include_usage = _get(options, "include_usage", (bool,), "true or false", False)
+        # vLLM's StreamOptions: include_usage defaults to true once the object is given.
+        include_usage = _get(options, "include_usage", (bool,), "true or false", True)
+        continuous = _get(options, "continuous_usage_stats", (bool,), "true or false", False)
     sampling = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                     stop=stop or [], stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
     known = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -167,11 +196,39 @@ def _common(body: dict, max_tokens_names: tuple[str, ...]) -> tuple[dict, int | 
             if name not in known:
                 raise APIError(f"'{name}' is not supported by this refserve version", name)
             sampling[name] = value
-    return sampling, max_tokens, stream, include_usage, model
+    req = GenerationRequest(kind, model, [], sampling, max_tokens, stream, include_usage,
+                            continuous_usage=continuous)
+    req.logprobs = _logprobs(body, kind, max_logprobs)
+    if req.logprobs is not None:
+        sampling["logprobs"] = req.logprobs
+    return req
 
 
-def parse_completion_request(body: dict) -> GenerationRequest:
-    sampling, max_tokens, stream, include_usage, model = _common(body, ("max_tokens",))
+def _logprobs(body: dict, kind: str, max_logprobs: int) -> int | None:
+    """How many top tokens per position to report, or None. Completions: `logprobs` is
+    that number. Chat: `logprobs` is true or false and `top_logprobs` the number."""
+    cap = f"an integer in 0..{max_logprobs} (the server's --max-logprobs)"
+    name = "top_logprobs" if kind == "chat" else "logprobs"
+    if kind == "chat":
+        wanted = _get(body, "logprobs", (bool,), "true or false", False)
+        top = _get(body, "top_logprobs", (int,), cap)
+        if top is not None and not wanted:
+            raise APIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if not wanted:
+            return None
+        top = 0 if top is None else top
+    else:
+        top = _get(body, "logprobs", (int,), cap)
+        if top is None:
+            return None
+    if not 0 <= top <= max_logprobs:
+        raise APIError(f"'{name}' must be {cap}, got {top}", name)
+    return top
+
+
+def parse_completion_request(body: dict, max_logprobs: int = MAX_LOGPROBS
+                             ) -> GenerationRequest:
+    req = _common(body, "completion", ("max_tokens",), max_logprobs)
     prompt = body.get("prompt")
     what = ("'prompt' must be a non-empty string, a list of strings, a list of token ids or "
             "a list of token-id lists")
@@ -187,13 +244,18 @@ def parse_completion_request(body: dict) -> GenerationRequest:
         raise APIError(what, "prompt")
     if any(len(p) == 0 for p in prompts):
         raise APIError(what + "; got an empty prompt", "prompt")
-    return GenerationRequest("completion", model, prompts, sampling, max_tokens, stream,
-                             include_usage)
+    for p in prompts:
+        if isinstance(p, str):
+            _text(p, "prompt")
+    req.prompts = prompts
+    req.echo = _get(body, "echo", (bool,), "true or false", False)
+    if req.echo and req.logprobs is not None:
+        req.sampling["prompt_logprobs"] = req.logprobs   # the prompt's own logprobs too
+    return req
 
 
-def parse_chat_request(body: dict) -> GenerationRequest:
-    sampling, max_tokens, stream, include_usage, model = _common(
-        body, ("max_tokens", "max_completion_tokens"))
+def parse_chat_request(body: dict, max_logprobs: int = MAX_LOGPROBS) -> GenerationRequest:
+    req = _common(body, "chat", ("max_tokens", "max_completion_tokens"), max_logprobs)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list of {role, content} objects",
@@ -201,8 +263,8 @@ def parse_chat_request(body: dict) -> GenerationRequest:
     clean = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant",
-                                                             "developer"):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in (
+                "system", "user", "assistant", "developer"):
             raise APIError(f"'{where}' must be an object whose role is system, developer, "
                            "user or assistant", "messages")
         content = m.get("content")
@@ -215,61 +277,14 @@ def parse_chat_request(body: dict) -> GenerationRequest:
         if not isinstance(content, str):
             raise APIError(f"'{where}.content' must be a string", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        clean.append({"role": role, "content": content})
-    return GenerationRequest("chat", model, [], sampling, max_tokens, stream, include_usage,
-                             messages=clean)
+        clean.append({"role": role, "content": _text(content, f"messages[{i}].content")})
+    req.messages = clean
+    return req
 
 
 def _is_token_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-# ---- responses ------------------------------------------------------------------------------
-
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def response_body(kind: str, request_id: str, model: str, choices: list[tuple[int, str, str]],
-                  prompt_tokens: int, completion_tokens: int) -> dict:
-    """choices: (index, text, finish_reason)."""
-    if kind == "chat":
-        rows = [{"index": i, "message": {"role": "assistant", "content": text},
-                 "logprobs": None, "finish_reason": reason} for i, text, reason in choices]
-        obj = "chat.completion"
-    else:
-        rows = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                for i, text, reason in choices]
-        obj = "text_completion"
-    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
-            "choices": rows, "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def chunk_body(kind: str, request_id: str, model: str, created: int, index: int,
-               text: str | None, finish_reason: str | None, role: bool = False) -> dict:
-    """One streamed delta of one choice."""
-    if kind == "chat":
-        delta = {"role": "assistant", "content": ""} if role else (
-            {} if text is None else {"content": text})
-        choice = {"index": index, "delta": delta, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": request_id, "object": obj, "created": created, "model": model,
-            "choices": [choice]}
-
-
-def usage_chunk(kind: str, request_id: str, model: str, created: int, prompt_tokens: int,
-                completion_tokens: int) -> dict:
-    """The last chunk when stream_options.include_usage: no choices, the totals."""
-    return {"id": request_id, "object": "chat.completion.chunk" if kind == "chat"
-            else "text_completion", "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
