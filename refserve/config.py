@@ -11,6 +11,7 @@
 | max_model_len | longest sequence (prompt + output) a request may reach |
 | max_num_seqs | seats in the running batch (continuous-batching slot cap) |
 | max_num_batched_tokens | token budget of one step (chunked prefill); None: the backend's |
+| long_prefill_token_threshold | most tokens one prefill may take in a step (0: no cap); None: the backend's |
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
@@ -47,11 +48,29 @@ KV_CACHE_LAYOUTS = ("paged", "contiguous")
 # thread, time.thread_time; 512: 1.8 s, 1024: 4.0-4.1 s, 2048: 9.9-10.9 s: attention makes a
 # big step dearer per token), so about half that on 2 cores. CuPy: vLLM's 8192.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"numpy": 256, "cupy": 8192}
+# vLLM's long_prefill_token_threshold: the most tokens one prefill may take in a step. With
+# the NumPy defaults a long prompt's chunk takes half the budget, so a request arriving
+# behind it is admitted the next step instead of after the whole prefill (a prefill costs
+# about the same per token in chunks of 128 as of 256 on the CPU: compute-bound). 0 = no
+# cap, vLLM's default with one partial prefill (CuPy: the GPU step is short anyway). It
+# applies only when the budget is the backend's default too; set it to cap a budget of yours.
+DEFAULT_LONG_PREFILL_FRACTION = {"numpy": 0.5, "cupy": 0.0}
 
 
 def resolve_max_num_batched_tokens(value: int | None, backend_name: str) -> int:
     """`value`, or the backend's default token budget when it is None."""
     return DEFAULT_MAX_NUM_BATCHED_TOKENS[backend_name] if value is None else value
+
+
+def resolve_long_prefill_token_threshold(value: int | None, budget_was_default: bool,
+                                         budget: int, backend_name: str) -> int:
+    """`value`, or (None) the backend's default cap when the budget is its default too,
+    else 0 (no cap)."""
+    if value is not None:
+        return value
+    if not budget_was_default:
+        return 0
+    return int(budget * DEFAULT_LONG_PREFILL_FRACTION[backend_name])
 
 # Old name -> vLLM's name. The old names still work and warn once per process.
 DEPRECATED_ALIASES = {"num_gpu_blocks": "num_gpu_blocks_override",
@@ -78,6 +97,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None   # None: the backend's default
+    long_prefill_token_threshold: int | None = None  # None: the backend's default (0: off)
     enable_prefix_caching: bool = True
     batching: str = "continuous"
     kv_cache_layout: str = "paged"
@@ -123,6 +143,11 @@ class EngineConfig:
         for name in ("num_gpu_blocks_override", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 positive_int(name)
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not isinstance(threshold, int) or isinstance(
+                threshold, bool) or threshold < 0):
+            raise ValueError(f"long_prefill_token_threshold={threshold!r}: must be an integer "
+                             ">= 0 (0: no cap on a prefill's tokens per step)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(
                 self.seed, bool) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r}: must be an integer >= 0 or None")

@@ -29,7 +29,11 @@ import numpy as np
 
 import refserve.capacity as capacity
 from refserve.backends import get_backend
-from refserve.config import EngineConfig, resolve_max_num_batched_tokens
+from refserve.config import (
+    EngineConfig,
+    resolve_long_prefill_token_threshold,
+    resolve_max_num_batched_tokens,
+)
 from refserve.detokenizer import IncrementalDetokenizer
 from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
@@ -77,10 +81,16 @@ class LLMEngine:
         self.backend = get_backend(config.backend)
         # None means the backend's default token budget (config.py), resolved once, here.
         budget_source = "max_num_batched_tokens"
-        if config.max_num_batched_tokens is None:
+        budget_was_default = config.max_num_batched_tokens is None
+        if budget_was_default:
             budget_source = f"the {self.backend.name} default"
-            self.config = config = dataclasses.replace(config, max_num_batched_tokens=(
-                resolve_max_num_batched_tokens(None, self.backend.name)))
+        budget = resolve_max_num_batched_tokens(config.max_num_batched_tokens,
+                                                self.backend.name)
+        self.config = config = dataclasses.replace(
+            config, max_num_batched_tokens=budget,
+            long_prefill_token_threshold=resolve_long_prefill_token_threshold(
+                config.long_prefill_token_threshold, budget_was_default, budget,
+                self.backend.name))
         # Weights and KV cache dtype; refused here (before loading) if the backend lacks it.
         self.dtype = self.backend.resolve_dtype(config.dtype)
         self.model = load_model(self.model_path, self.backend, self.dtype)
@@ -148,9 +158,10 @@ class LLMEngine:
             num_blocks, self.block_size,
             enable_prefix_caching=config.enable_prefix_caching and not contiguous)
         scheduler_cls = StaticScheduler if config.batching == "static" else Scheduler
-        self.scheduler = scheduler_cls(config.max_num_seqs, config.max_num_batched_tokens,
-                                       self.kv_cache_manager, self.max_model_len,
-                                       eos_token_id=self.eos_token_id)
+        self.scheduler = scheduler_cls(
+            config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache_manager,
+            self.max_model_len, eos_token_id=self.eos_token_id,
+            long_prefill_token_threshold=config.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size,
                                   enforce_eager=config.enforce_eager)
         self.sampler = Sampler()
@@ -172,13 +183,15 @@ class LLMEngine:
         self.time_in_step = 0.0  # seconds inside step(); runner.time_in_forward is the model
         if progress:
             tokens = num_blocks * self.block_size
+            cap = (f", a prefill at most {config.long_prefill_token_threshold}"
+                   if config.long_prefill_token_threshold else "")
             print(f"refserve: {config.backend}→{self.backend.name} backend, model "
                   f"{self.model_path.name} ({mc.num_parameters() / 1e6:.0f}M params) | KV cache "
                   f"{num_blocks} blocks × {self.block_size} tokens = {tokens} tokens, "
                   f"{num_blocks * bytes_per_block / 1024**3:.2f} GiB | max concurrency at "
                   f"max_model_len {self.max_model_len}: {tokens / self.max_model_len:.2f}x"
                   f" | sized by {knob} | token budget {config.max_num_batched_tokens} per "
-                  f"step ({budget_source})", file=sys.stderr, flush=True)
+                  f"step ({budget_source}){cap}", file=sys.stderr, flush=True)
             if spec is not None:
                 draft = ""
                 if draft_bytes_per_token:

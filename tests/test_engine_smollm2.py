@@ -31,8 +31,8 @@ def test_engine_greedy_equals_transformers_with_chunking_and_preemption(
     kinds = []
     schedule = llm.engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(*args):
+        out = schedule(*args)
         kinds.extend(row.kind for row in out.scheduled)
         return out
 

@@ -719,3 +719,27 @@ def test_num_cached_tokens_is_the_hit_of_the_first_scheduling_and_survives_preem
     readmission_hits = [h for h in hits if h]
     assert b.num_preemptions == 1 and readmission_hits and readmission_hits[-1] != 6
     assert b.num_cached_tokens == 6
+
+
+def test_long_prefill_token_threshold_leaves_budget_for_the_requests_behind():
+    """vLLM's long_prefill_token_threshold: a prefill takes at most that many tokens a step,
+    so a short request arriving behind a long prompt is admitted at once; without the cap
+    it waits for the whole prefill."""
+    def first_token_step(threshold):
+        sched, kv, runner = make(budget=16, block_size=4, num_blocks=64)
+        sched.long_prefill_token_threshold = threshold
+        sched.add_sequence(make_seq("long", 60, 2))
+        step(sched, runner)
+        short = make_seq("short", 3, 1)
+        sched.add_sequence(short)
+        for n in range(1, 20):
+            out, _ = step(sched, runner)
+            assert out.num_batched_tokens <= 16
+            if threshold:
+                assert all(r.num_tokens <= threshold for r in out.scheduled)
+            if short.num_output_tokens:
+                return n
+        raise AssertionError("the short request never ran")
+
+    assert first_token_step(8) == 1
+    assert first_token_step(0) == 3  # 44 tokens left: chunks of 16 and 16, then 12 + 3

@@ -67,7 +67,8 @@ class SchedulerBase:
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None,
+                 long_prefill_token_threshold: int = 0) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -78,6 +79,12 @@ class SchedulerBase:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
+        # vLLM's cap on the tokens one prefill takes per step (0: none), so a long prompt
+        # leaves budget for the requests behind it.
+        if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold!r}: "
+                             "must be an integer >= 0")
+        self.long_prefill_token_threshold = long_prefill_token_threshold
 
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -381,7 +388,8 @@ class SchedulerBase:
         nothing.
 
         Real tokens left = num_tokens - num_computed_tokens - hit tokens; the row computes
-        min(real tokens left, budget) of them, then the drafts that fit.
+        min(real tokens left, budget, long_prefill_token_threshold if set) of them, then the
+        drafts that fit.
         """
         kv = self.kv_cache_manager
         computed_blocks: list[int] = []
@@ -389,6 +397,8 @@ class SchedulerBase:
         if seq.seq_id not in self._holding:
             computed_blocks, hit_tokens = kv.get_computed_blocks(seq)
         real_left = seq.num_tokens - seq.num_computed_tokens - hit_tokens
+        if 0 < self.long_prefill_token_threshold < budget:
+            budget = self.long_prefill_token_threshold  # a long prefill leaves budget over
         verify = drafts[:drafts_that_fit(len(drafts), real_left, budget)]
         num_tokens = min(real_left, budget) + len(verify)
         assert num_tokens >= 1, f"{seq} has nothing left to compute"

@@ -30,9 +30,10 @@ class StaticScheduler(SchedulerBase):
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None,
+                 long_prefill_token_threshold: int = 0) -> None:
         super().__init__(max_num_seqs, max_num_batched_tokens, kv_cache_manager,
-                         max_model_len, eos_token_id)
+                         max_model_len, eos_token_id, long_prefill_token_threshold)
         self.padding: list[Sequence] = []  # finished members of the current batch
 
     @property
