@@ -11,7 +11,7 @@
 | max_model_len | longest sequence (prompt + output) a request may reach |
 | max_num_seqs | seats in the running batch (continuous-batching slot cap) |
 | max_num_batched_tokens | token budget of one step (chunked prefill); None: the backend's |
-| long_prefill_token_threshold | most tokens one prefill may take in a step (0: no cap); None: the backend's |
+| long_prefill_token_threshold | most tokens one prefill takes per step (0: no cap; None: backend) |
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
