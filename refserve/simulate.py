@@ -292,14 +292,17 @@ def run(args) -> int:
 
 
 def _downsample(timeline: dict, points: int) -> dict:
-    """At most `points` samples per series: the last sample of each stride's window and the
-    window's maximum of waiting and KV blocks (so peaks survive)."""
+    """At most `points` samples per series, one per window of steps: its start and end
+    time, the tokens it sampled, and the maximum of scheduled, waiting and KV blocks (so
+    peaks survive)."""
     n = len(timeline["t"])
     stride = max(1, -(-n // points))
     out = {k: [] for k in timeline}
     for a in range(0, n, stride):
         b = min(n, a + stride)
         out["t"].append(timeline["t"][a])
+        out["t_end"].append(timeline["t_end"][b - 1])
+        out["sampled"].append(sum(timeline["sampled"][a:b]))
         for k in ("scheduled", "waiting", "kv_blocks_used"):
             out[k].append(max(timeline[k][a:b]))
     return out

@@ -104,7 +104,8 @@ class SyntheticOutputs:
 @dataclass
 class SimResult:
     """A finished simulation: per-request metrics (in arrival order), the run summary, and
-    one timeline sample per step (start time, scheduled rows, waiting, KV blocks used)."""
+    one timeline sample per step: start and end time, scheduled rows, tokens sampled,
+    sequences waiting after it was scheduled, KV blocks used."""
 
     metrics: dict[str, RequestMetrics]
     summary: RunSummary
@@ -152,6 +153,7 @@ class SimulatedEngine:
         self.cost_model = cost_model or CostModel(model, gpu, self.dtype, tensor_parallel_size)
         self.outputs = outputs or SyntheticOutputs()
         self.clock = 0.0
+        self.metrics: dict[str, RequestMetrics] = {}
 
     def describe(self) -> str:
         tokens = self.num_blocks * self.block_size
@@ -190,10 +192,12 @@ class SimulatedEngine:
         self.check_requests(requests)
         sched, kv = self.scheduler, self.kv_cache_manager
         step_time, outputs = self.cost_model.step_time, self.outputs
-        metrics: dict[str, RequestMetrics] = {}
+        # Live while it runs: on_step may read every request's metrics so far.
+        metrics = self.metrics = {}
         request_of: dict[int, SimRequest] = {}   # seq_id -> its request
         passes: dict[int, int] = {}
-        timeline = {"t": [], "scheduled": [], "waiting": [], "kv_blocks_used": []}
+        timeline = {"t": [], "t_end": [], "scheduled": [], "sampled": [], "waiting": [],
+                    "kv_blocks_used": []}
         bar = None
         if progress:
             from tqdm import tqdm
@@ -251,7 +255,9 @@ class SimulatedEngine:
                 if recorder is not None:
                     recorder.finish(seq.request_id, now)
             timeline["t"].append(t_start)
+            timeline["t_end"].append(now)
             timeline["scheduled"].append(len(out.scheduled))
+            timeline["sampled"].append(sum(map(len, sampled.values())))
             timeline["waiting"].append(sched.num_waiting)
             timeline["kv_blocks_used"].append(used)
             if check_invariants:
