@@ -255,27 +255,37 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50) -> FitResult:
                      float(np.max(np.abs(rel))), iterations)
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, prior: np.ndarray) -> np.ndarray:
-    """argmin ||x theta - y|| over theta >= 0: the best unconstrained least-squares solution
-    over every support that comes out nonnegative. Columns that are all zero keep `prior`
-    (the data say nothing about them); an efficiency is never set to infinity (a theta of
-    0 for x_f, x_a or x_b falls back to the prior)."""
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, prior: np.ndarray,
+                       ridge: float = 1e-6) -> np.ndarray:
+    """argmin ||x theta - y||^2 + ridge ||u - u_prior||^2 over theta >= 0, u being theta in
+    units where each column of x has norm 1: the best unconstrained solution over every
+    support that comes out nonnegative. The tiny ridge only matters where the data cannot
+    tell parameters apart (e.g. a fixed overhead and the weight read of decodes that all
+    read the same weights): among equally good fits it picks the one nearest the prior.
+    Columns that are all zero keep `prior`; an efficiency is never set to infinity (a
+    theta of 0 for x_f, x_a or x_b falls back to the prior)."""
     used = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
     fixed = [j for j in range(x.shape[1]) if j not in used]
     target = y - x[:, fixed] @ prior[fixed] if fixed else y
+    norms = np.linalg.norm(x[:, used], axis=0)
+    xs = x[:, used] / norms
+    u_prior = prior[used] * norms
     best, best_err = None, np.inf
     for size in range(len(used), 0, -1):
-        for support in itertools.combinations(used, size):
+        for support in itertools.combinations(range(len(used)), size):
             cols = list(support)
-            sol, *_ = np.linalg.lstsq(x[:, cols], target, rcond=None)
+            a = np.vstack([xs[:, cols], np.sqrt(ridge) * np.eye(len(cols))])
+            b = np.concatenate([target, np.sqrt(ridge) * u_prior[cols]])
+            sol, *_ = np.linalg.lstsq(a, b, rcond=None)
             if np.any(sol < 0):
                 continue
-            err = float(np.sum((x[:, cols] @ sol - target) ** 2))
-            if err < best_err - 1e-15:
+            off = [k for k in range(len(used)) if k not in support]
+            err = float(np.sum((a @ sol - b) ** 2) + ridge * np.sum(u_prior[off] ** 2))
+            if err < best_err:
                 best, best_err = dict(zip(cols, sol)), err
     theta = prior.copy()
-    for j in used:
-        value = best.get(j, 0.0) if best is not None else prior[j]
+    for k, j in enumerate(used):
+        value = best.get(k, 0.0) / norms[k] if best is not None else prior[j]
         theta[j] = value if value > 0 or j >= 3 else prior[j]
     return theta
 
