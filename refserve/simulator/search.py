@@ -11,6 +11,14 @@ mean output length). Above mu the queue, and TTFT with it, grows without bound, 
 short a simulation makes it look; a run of N requests hides that for a while, so the
 search never goes above (1 - tolerance) mu.
 
+The SLOs are those of a server under steady load, so a simulation must reach it: a
+request holds its seat for about W seconds (its decode time at saturation), so the batch
+fills within a few W of the first arrival and empties within W of the last. A simulation
+at rate r therefore sends at least 6 r W requests (and at least num_requests), and the
+percentiles are taken over the requests arriving in the steady window
+[1.5 W, last arrival - W] (all of them when that window is shorter than 2 W). A short run
+at a high rate would otherwise be judged on a batch that never filled.
+
 Feasibility falls as the rate rises (the same requests arrive faster: workload.py scales
 only the arrival times), so the highest feasible rate is found by bisection, as
 Vidur-Search does: bracket [lo, hi] with lo feasible and hi not, halve until
@@ -61,6 +69,8 @@ class Evaluation:
     slo_attained: float = 0.0
     mean_output_tokens: float = 0.0
     stopped_early: bool = False
+    num_requests: int = 0   # simulated
+    num_judged: int = 0     # in the steady window, whose percentiles count
     bound: str = "SLO"  # what stopped the rate from rising: "SLO" or "throughput"
 
     @property
@@ -73,24 +83,37 @@ class Evaluation:
 
 
 class _Watch:
-    """on_step hook: stop once the SLO is lost for sure (module docstring)."""
+    """on_step hook: stop once the SLO is lost for sure (module docstring), counting only
+    the requests whose percentiles count (`judged`)."""
 
-    def __init__(self, slo: SLO, num_requests: int) -> None:
-        self.slo, self.limit = slo, slo.violations_allowed(num_requests)
+    def __init__(self, slo: SLO, judged: set[str]) -> None:
+        self.slo, self.judged = slo, judged
+        self.limit = slo.violations_allowed(len(judged))
         self.late_ttft = self.late_tpot = 0
 
     def __call__(self, engine, t_start, now, out, retired) -> bool:
         for seq in retired:
-            m = engine.metrics[seq.request_id]
-            self.late_ttft += m.ttft > self.slo.ttft_p99
-            self.late_tpot += (m.tpot or 0.0) > self.slo.tpot_p99
+            if seq.request_id in self.judged:
+                m = engine.metrics[seq.request_id]
+                self.late_ttft += m.ttft > self.slo.ttft_p99
+                self.late_tpot += (m.tpot or 0.0) > self.slo.tpot_p99
         if self.late_ttft > self.limit or self.late_tpot > self.limit:
             return True
         if out.step % 32 == 0:
             waiting_late = sum(1 for s in engine.scheduler.waiting if s.num_output_tokens == 0
+                               and s.request_id in self.judged
                                and now - s.arrival_time > self.slo.ttft_p99)
             return self.late_ttft + waiting_late > self.limit
         return False
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """The configuration with its batch kept full: mu requests per second, each holding its
+    seat service_s seconds (first token to finish, on average)."""
+
+    mu: float
+    service_s: float
 
 
 @dataclass
@@ -115,6 +138,7 @@ class Planner:
     make_requests: object  # (rate, seed, num_requests) -> list[SimRequest]
     slo: SLO
     num_requests: int = 600
+    max_requests: int = 20000
     seed: int = 0
     tolerance: float = 0.05
     max_simulations: int | None = None
@@ -127,30 +151,39 @@ class Planner:
                                tensor_parallel_size=cand.tensor_parallel_size)
 
     def evaluate(self, cand: Candidate, rate: float, seed: int | None = None) -> Evaluation:
+        """Simulate `cand` at `rate` on the workload of `seed`; the percentiles are those of
+        the steady window (module docstring)."""
         seed = self.seed if seed is None else seed
         memo = (cand.key(), rate, seed)
         if memo in self.evaluations:
             return self.evaluations[memo]
-        requests = self.make_requests(rate, seed, self.num_requests)
-        engine = self.engine(cand)
-        result = engine.run(requests, on_step=_Watch(self.slo, len(requests)))
+        w = self.saturation(cand).service_s
+        n = max(self.num_requests, min(self.max_requests, math.ceil(6 * rate * w)))
+        requests = self.make_requests(rate, seed, n)
+        last = requests[-1].arrival_time
+        judged = {r.request_id for r in requests
+                  if 1.5 * w <= r.arrival_time <= last - w}
+        if last - 2.5 * w < 2 * w or len(judged) < 10:
+            judged = {r.request_id for r in requests}
+        result = self.engine(cand).run(requests, on_step=_Watch(self.slo, judged))
         self.simulations += 1
-        ms = list(result.metrics.values())
+        ms = [m for rid, m in result.metrics.items() if rid in judged]
         ttft = percentile([m.ttft for m in ms], 99)
         tpot = percentile([m.tpot for m in ms], 99)
-        ok = (not result.stopped_early and ttft is not None and ttft <= self.slo.ttft_p99
-              and (tpot is None or tpot <= self.slo.tpot_p99))
+        ok = (not result.stopped_early and len(ms) == len(judged) and ttft is not None
+              and ttft <= self.slo.ttft_p99 and (tpot is None or tpot <= self.slo.tpot_p99))
         good = sum(1 for m in ms if m.ttft is not None and m.ttft <= self.slo.ttft_p99
                    and (m.tpot is None or m.tpot <= self.slo.tpot_p99))
         mean_output = sum(r.num_output_tokens for r in requests) / len(requests)
-        ev = Evaluation(rate, ok, ttft, tpot, good / len(requests), mean_output,
-                        result.stopped_early)
+        ev = Evaluation(rate, ok, ttft, tpot, good / len(judged), mean_output,
+                        result.stopped_early, num_requests=len(requests),
+                        num_judged=len(judged))
         self.evaluations[memo] = ev
         if self.on_simulation is not None:
             self.on_simulation(cand, ev)
         return ev
 
-    def saturation(self, cand: Candidate) -> float:
+    def saturation(self, cand: Candidate) -> Saturation:
         """mu: requests per second the configuration completes with its batch full (module
         docstring). At least 3 x max_num_seqs requests arrive at t = 0, so the queue stays
         full well past the first wave; the steps counted are those after the first request
@@ -162,7 +195,8 @@ class Planner:
         requests = self.make_requests(math.inf, self.seed, n)
         result = self.engine(cand).run(requests)
         self.simulations += 1
-        first_finish = min(m.finish_time for m in result.metrics.values())
+        ms = list(result.metrics.values())
+        first_finish = min(m.finish_time for m in ms)
         tl = result.timeline
         steps = [k for k in range(len(tl["t"]))
                  if tl["t"][k] >= first_finish and tl["waiting"][k] > 0]
@@ -171,15 +205,16 @@ class Planner:
         tokens = sum(tl["sampled"][k] for k in steps)
         seconds = sum(tl["t_end"][k] - tl["t"][k] for k in steps)
         mean_output = sum(r.num_output_tokens for r in requests) / n
-        mu = tokens / seconds / mean_output
-        self.evaluations[key] = mu
-        return mu
+        sat = Saturation(mu=tokens / seconds / mean_output,
+                         service_s=sum(m.finish_time - m.first_token_time for m in ms) / n)
+        self.evaluations[key] = sat
+        return sat
 
     def max_rate(self, cand: Candidate, beat: float | None = None) -> Evaluation | None:
         """The highest rate <= (1 - tolerance) mu meeting the SLO, to `tolerance`. None if
         the candidate cannot carry beat * (1 + tolerance) (when `beat` is given), or does
         not meet the SLO even at a hundredth of mu."""
-        hi = (1 - self.tolerance) * self.saturation(cand)
+        hi = (1 - self.tolerance) * self.saturation(cand).mu
         if beat is not None:
             lo_rate = beat * (1 + self.tolerance)
             if lo_rate > hi:
@@ -211,12 +246,14 @@ class Planner:
         Returns (best candidate, its Evaluation, [(candidate, Evaluation or None), ...])."""
         best_ev = self.max_rate(start)
         best, tried = start, [(start, best_ev)]
+        seen = {start.key()}
         for name, values in knobs.items():
             for value in values:
-                if getattr(best.config, name) == value:
-                    continue
                 cand = Candidate(replace(best.config, **{name: value}),
                                  best.tensor_parallel_size)
+                if cand.key() in seen:
+                    continue
+                seen.add(cand.key())
                 try:
                     self.engine(cand)
                 except ValueError:
