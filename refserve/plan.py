@@ -26,13 +26,14 @@ import sys
 import time
 
 from refserve.bench.common import print_table
-from refserve.generate import EXIT_USAGE, CLIError, OneLineErrorParser
+from refserve.generate import CLIError, OneLineErrorParser
 from refserve.simulate import (
     add_engine_args,
     add_hardware_args,
     engine_config,
     load_hardware,
     make_requests,
+    run_cli,
     usd_per_million,
 )
 
@@ -253,12 +254,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except CLIError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_USAGE
+    return run_cli(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

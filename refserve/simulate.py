@@ -364,13 +364,18 @@ def plot(report: dict, result, engine, path: Path, args) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_cli(parser: argparse.ArgumentParser, run_args, argv: list[str] | None) -> int:
+    """Parse, run; a CLIError is one `error:` line and exit status 2 (simulate and plan)."""
+    args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run_args(args)
     except CLIError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -22,20 +22,25 @@ def rows_of(out):
             tuple(sorted(out.preempted)))
 
 
-def run_real(folder, requests, add_before_step, **config):
-    """The real engine, requests added just before their step (or earlier, were the engine
-    idle); returns the schedule of every step, its wall time, each request's output, and
-    the step each request was really added before."""
-    engine = LLMEngine(model=str(folder), progress=False, **config)
-    schedule = engine.scheduler.schedule
-    steps = []
+def record_schedule(scheduler) -> list:
+    """Wrap this scheduler's schedule(): each step's rows land in the returned list."""
+    schedule, steps = scheduler.schedule, []
 
     def recording_schedule():
         out = schedule()
         steps.append(rows_of(out))
         return out
 
-    engine.scheduler.schedule = recording_schedule
+    scheduler.schedule = recording_schedule
+    return steps
+
+
+def run_real(folder, requests, add_before_step, **config):
+    """The real engine, requests added just before their step (or earlier, were the engine
+    idle); returns the schedule of every step, its wall time, each request's output, and
+    the step each request was really added before."""
+    engine = LLMEngine(model=str(folder), progress=False, **config)
+    steps = record_schedule(engine.scheduler)
     times, outputs, step, added = [], {}, 0, {}
     pending = sorted(zip(add_before_step, requests), key=lambda p: p[0])
     while pending or engine.has_unfinished_requests():
@@ -67,15 +72,7 @@ def run_sim(folder, requests, add_before_step, times, outputs, **config):
                                        list(outputs[rid].outputs[0].token_ids)))
     engine = SimulatedEngine(load_model(str(folder)), load_gpu("h100-80gb"),
                              cost_model=replay(times), dtype="float32", **config)
-    schedule = engine.scheduler.schedule
-    steps = []
-
-    def recording_schedule():
-        out = schedule()
-        steps.append(rows_of(out))
-        return out
-
-    engine.scheduler.schedule = recording_schedule
+    steps = record_schedule(engine.scheduler)
     result = engine.run(sim_requests, check_invariants=True)
     return steps, result
 
