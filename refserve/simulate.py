@@ -25,7 +25,7 @@ from pathlib import Path
 from refserve.bench.common import print_table
 from refserve.config import BATCHING, DTYPES, KV_CACHE_LAYOUTS, EngineConfig
 from refserve.generate import EXIT_USAGE, CLIError, OneLineErrorParser, check_json_path
-from refserve.metrics import percentile
+from refserve.simulator.report import downsample, latency_table, plot, usd_per_million
 
 DEFAULT_OUT = {"json": "simulate.json", "plot": "simulate.png", "trace": "simulate.trace.json"}
 
@@ -176,26 +176,6 @@ def check_out_paths(args) -> None:
             check_json_path(path, f"--{name}")
 
 
-def usd_per_million(usd_per_hour_total: float, output_tokens_per_s: float) -> float | None:
-    """$ / 1M output tokens = price per hour / 3600 / tokens per second x 1e6 (WARMUP §10)."""
-    if output_tokens_per_s <= 0:
-        return None
-    return usd_per_hour_total / 3600 / output_tokens_per_s * 1e6
-
-
-def latency_table(result) -> list[dict]:
-    ms = [m for m in result.metrics.values() if m.finish_time is not None]
-    series = {"TTFT": [m.ttft for m in ms], "TPOT": [m.tpot for m in ms],
-              "latency": [m.finish_time - m.arrival_time for m in ms]}
-    return [{"metric": name, **{f"p{q}": _ms(percentile(v, q)) for q in (50, 90, 99)},
-             "max": _ms(max((x for x in v if x is not None), default=None))}
-            for name, v in series.items()]
-
-
-def _ms(x):
-    return None if x is None else 1000 * x
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="python -m refserve.simulate", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,90 +258,19 @@ def run(args) -> int:
         "usd_per_1m_output_tokens": cost, "wall_seconds": wall,
         "num_steps": result.num_steps, "steps_per_second": result.num_steps / wall,
         "requests": [{"request_id": rid, **m.to_dict()} for rid, m in result.metrics.items()],
-        "timeline": _downsample(result.timeline, 2000)}
+        "timeline": downsample(result.timeline, 2000)}
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
         print(f"numbers written to {args.json}")
     if args.plot is not None:
-        plot(report, result, engine, args.plot, args)
+        title = (f"{model.name} on {args.tensor_parallel_size} x {gpu.name} | "
+                 f"{'replay' if args.replay else args.workload} at {args.rate:g} req/s")
+        plot(result, engine, args.plot, title, args.slo_ttft, args.slo_tpot)
         print(f"plot written to {args.plot}")
     if recorder is not None:
         recorder.write(args.trace)
         print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)")
     return 0
-
-
-def _downsample(timeline: dict, points: int) -> dict:
-    """At most `points` samples per series, one per window of steps: its start and end
-    time, the tokens it sampled, and the maximum of scheduled, waiting and KV blocks (so
-    peaks survive)."""
-    n = len(timeline["t"])
-    stride = max(1, -(-n // points))
-    out = {k: [] for k in timeline}
-    for a in range(0, n, stride):
-        b = min(n, a + stride)
-        out["t"].append(timeline["t"][a])
-        out["t_end"].append(timeline["t_end"][b - 1])
-        out["sampled"].append(sum(timeline["sampled"][a:b]))
-        for k in ("scheduled", "waiting", "kv_blocks_used"):
-            out[k].append(max(timeline[k][a:b]))
-    return out
-
-
-def plot(report: dict, result, engine, path: Path, args) -> None:
-    import numpy as np
-
-    from refserve.bench.common import pyplot
-
-    plt = pyplot()
-    tl = report["timeline"]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    a, b, c, d = axes.ravel()
-    a.step(tl["t"], tl["scheduled"], where="post", label="scheduled (batch)", lw=1)
-    a.step(tl["t"], tl["waiting"], where="post", label="waiting", lw=1)
-    a.axhline(engine.config.max_num_seqs, color="grey", ls=":", lw=1, label="max_num_seqs")
-    a.set(title="Batch and queue over time", xlabel="simulated time (s)",
-          ylabel="sequences (max per window)")
-    a.legend(fontsize=8)
-    b.step(tl["t"], tl["kv_blocks_used"], where="post", color="tab:green", lw=1,
-           label=f"in use (peak {result.summary.kv_blocks_peak})")
-    pool = engine.num_blocks
-    if result.summary.kv_blocks_peak < pool / 2:  # zoom in; the pool line is off the chart
-        b.set_ylim(0, 1.3 * max(1, result.summary.kv_blocks_peak))
-        b.set_title(f"KV blocks in use (pool: {pool} blocks, above the chart)")
-    else:
-        b.axhline(pool, color="tab:red", ls="--", lw=1, label=f"pool: {pool} blocks")
-        b.set_ylim(0, pool * 1.05)
-        b.set_title("KV blocks in use")
-    b.set(xlabel="simulated time (s)", ylabel="blocks (max per window)")
-    b.legend(fontsize=8)
-    for ax, key, slo, title in ((c, "ttft", args.slo_ttft, "TTFT"),
-                                (d, "tpot", args.slo_tpot, "TPOT")):
-        values = np.sort([1000 * getattr(m, key) for m in result.metrics.values()
-                          if getattr(m, key) is not None])
-        if len(values):
-            ax.plot(values, np.arange(1, len(values) + 1) / len(values), lw=1.5)
-            for q, ls in ((50, "--"), (99, ":")):
-                x = np.percentile(values, q)
-                ax.axvline(x, color="grey", ls=ls, lw=1, label=f"p{q} {x:.1f} ms")
-            if values[-1] > 20 * max(values[0], 1e-3):
-                ax.set_xscale("log")
-        note = ""
-        if slo is not None:
-            if len(values) and 1000 * slo > 3 * values[-1]:
-                note = f", SLO {1000 * slo:g} ms far right"  # keep the curve readable
-            else:
-                ax.axvline(1000 * slo, color="tab:red", lw=1, label=f"SLO {1000 * slo:g} ms")
-        ax.set(title=f"{title} distribution ({len(values)} requests{note})",
-               xlabel=f"{title} (ms)", ylabel="fraction of requests <= x")
-        ax.legend(fontsize=8)
-    s = result.summary
-    fig.suptitle(f"{report['model']['name']} on {args.tensor_parallel_size} x "
-                 f"{report['gpu']['name']} | {report['workload']['name'] or 'replay'} at "
-                 f"{args.rate:g} req/s | {s.output_tokens_per_s:.0f} tok/s, "
-                 f"{s.num_preemptions} preemptions", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def run_cli(parser: argparse.ArgumentParser, run_args, argv: list[str] | None) -> int:
