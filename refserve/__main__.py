@@ -7,6 +7,8 @@ ENTRY_POINTS = (
     ("python -m refserve.serve", "OpenAI-compatible HTTP server (completions, chat, SSE)"),
     ("python -m refserve.bench", "benchmarks: batching, paged KV, prefix cache, chunking, ..."),
     ("python -m refserve.capacity", "KV-cache capacity math for a model, memory and context"),
+    ("python -m refserve.simulate", "one serving configuration at GPU scale, simulated"),
+    ("python -m refserve.plan", "search configurations under SLOs; prints the vllm serve line"),
     ("python -m refserve.course", "the course: student copy and grading report"),
 )
 

@@ -24,7 +24,9 @@ Run `python -m refserve.capacity --model llama-3-8b --memory 80GiB --context 204
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 # ---- the arithmetic ----------------------------------------------------------------------
 
@@ -100,7 +102,7 @@ def max_concurrent_sequences(num_blocks: int, avg_tokens: int, block_size: int) 
 
 # ---- model weights -----------------------------------------------------------------------
 
-# Hugging Face config.json fields of the two presets (only the ones the math reads).
+# Hugging Face config.json fields of the presets (only the ones the math reads).
 PRESETS: dict[str, dict] = {
     "smollm2-135m": {
         "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576,
@@ -112,6 +114,12 @@ PRESETS: dict[str, dict] = {
         "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
         "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
+        "max_position_embeddings": 8192,
+    },
+    "llama-3-70b": {
+        "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
         "max_position_embeddings": 8192,
     },
 }
@@ -189,6 +197,38 @@ def weights_bytes(config: dict, dtype_bytes: int = 2) -> int:
     """num_parameters(config) * dtype_bytes."""
     _require_positive_int("dtype_bytes", dtype_bytes)
     return num_parameters(config) * dtype_bytes
+
+
+# ---- model configs: a preset name or an HF config.json ------------------------------
+
+PRESET_DTYPE = "bfloat16"  # the presets ship bfloat16 weights
+
+
+def model_dtype(config: dict) -> str | None:
+    """config.json's dtype ("torch_dtype", or "dtype" in newer transformers), if known."""
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return dtype if dtype in DTYPE_BYTES else None
+
+
+def load_model_config(model: str) -> tuple[str, dict]:
+    """A preset name or a folder holding config.json -> (display name, config dict)."""
+    if model.lower() in PRESETS:
+        return model.lower(), PRESETS[model.lower()]
+    path = Path(model)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ValueError(
+            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a folder "
+            f"holding config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {config_path}: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} does not hold a JSON object")
+    # Some multimodal checkpoints nest the language model under text_config.
+    config = config.get("text_config", config)
+    return str(path), config
 
 
 # ---- parsing and formatting --------------------------------------------------------------

@@ -13,52 +13,23 @@ A mistake is one `error: ...` line, exit status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from refserve.capacity import (
     DTYPE_BYTES,
+    PRESET_DTYPE,
     PRESETS,
     capacity_report,
     format_bytes,
+    load_model_config,
+    model_dtype,
     parse_memory,
 )
-
-
-def load_model_config(model: str) -> tuple[str, dict]:
-    """A preset name or a folder holding config.json -> (display name, config dict)."""
-    if model.lower() in PRESETS:
-        return model.lower(), PRESETS[model.lower()]
-    path = Path(model)
-    config_path = path / "config.json" if path.is_dir() else path
-    if not config_path.is_file():
-        raise ValueError(
-            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a folder "
-            f"holding config.json")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {config_path}: {err}") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_path} does not hold a JSON object")
-    # Some multimodal checkpoints nest the language model under text_config.
-    config = config.get("text_config", config)
-    return str(path), config
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
-PRESET_DTYPE = "bfloat16"  # both presets ship bfloat16 weights
-
-
-def model_dtype(config: dict) -> str | None:
-    """config.json's dtype ("torch_dtype", or "dtype" in newer transformers), if known."""
-    dtype = config.get("torch_dtype") or config.get("dtype")
-    return dtype if dtype in DTYPE_BYTES else None
 
 
 def _positive_int(text: str) -> int:

@@ -155,15 +155,16 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def check_json_path(path: Path) -> None:
-    """--json must be writable: checked before the model loads, not after the run."""
+def check_json_path(path: Path, flag: str = "--json") -> None:
+    """An output file (--json, ...) must be writable: checked before the model loads, not
+    after the run."""
     if path.is_dir():
-        raise CLIError(f"--json {path}: is a folder; give a file path")
+        raise CLIError(f"{flag} {path}: is a folder; give a file path")
     folder = path.parent
     if not folder.is_dir():
-        raise CLIError(f"--json {path}: folder {folder} does not exist; create it first")
+        raise CLIError(f"{flag} {path}: folder {folder} does not exist; create it first")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise CLIError(f"--json {path}: cannot write there (permission denied)")
+        raise CLIError(f"{flag} {path}: cannot write there (permission denied)")
 
 
 def build_requests(args) -> tuple[list, list[SamplingParams]]:

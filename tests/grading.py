@@ -86,6 +86,8 @@ MECHANISMS: dict[str, str] = {
            "input",
     "bench": "benchmarks run end to end and report only measured numbers",
     "course": "the course machinery: grading, student copies, notebooks",
+    "simulator": "the simulator runs the real scheduler and KV cache on a virtual clock: "
+                 "its schedule is the real engine's, its step times follow the roofline",
 }
 
 # (module glob, test-name regex or None, markers). First match wins, so specific rules
@@ -125,6 +127,7 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_engine.py", r"pool_sized", ("engine", "capacity")),
     ("test_engine*.py", None, ("engine",)),
     ("test_generate_cli.py", None, ("cli",)),
+    ("test_simulator*.py", None, ("simulator",)),
     ("test_bench*.py", None, ("bench",)),
     ("test_spec_warping.py", r"warp", ("spec_accept", "sampling")),
     ("test_spec_warping.py", None, ("spec_e2e",)),

@@ -12,7 +12,7 @@ import refserve
 ROOT = Path(refserve.__file__).parent
 # Entry points: they may import anything; nothing else may import them.
 CLI_MODULES = {"refserve.capacity_cli", "refserve.generate", "refserve.bench",
-               "refserve.serve", "refserve.course"}
+               "refserve.serve", "refserve.course", "refserve.simulate", "refserve.plan"}
 
 
 def module_name(path: Path) -> str:

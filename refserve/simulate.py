@@ -1,0 +1,291 @@
+"""`python -m refserve.simulate`: one serving configuration at GPU scale, simulated.
+
+    python -m refserve.simulate --model llama-3-8b --gpu h100-80gb --workload chat \\
+        --rate 8 --num-requests 2000 --max-num-seqs 256 --json --plot --trace
+
+refserve's real Scheduler and KVCacheManager run on a virtual clock; each step costs what
+the roofline cost model says it costs on the GPU (refserve/simulator/). It prints the
+assumptions (every GPU number with its source), the real engine's summary line, latency
+percentiles and the cost per million output tokens. --json writes every number, --plot a
+chart (batch and queue, KV blocks, TTFT and TPOT distributions), --trace a Chrome
+trace-event timeline (https://ui.perfetto.dev). Engine flags have vLLM's names.
+
+A mistake is one `error: ...` line, exit status 2, found before the simulation starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from refserve.bench.common import print_table
+from refserve.config import BATCHING, DTYPES, KV_CACHE_LAYOUTS, EngineConfig
+from refserve.generate import EXIT_USAGE, CLIError, OneLineErrorParser, check_json_path
+from refserve.simulator.report import downsample, latency_table, plot, usd_per_million
+
+DEFAULT_OUT = {"json": "simulate.json", "plot": "simulate.png", "trace": "simulate.trace.json"}
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _assignment(text: str) -> tuple[str, float]:
+    key, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected FIELD=NUMBER, e.g. memory_bandwidth=3.0e12") from None
+
+
+def add_hardware_args(p: argparse.ArgumentParser) -> None:
+    from refserve.simulator.workload import ARRIVALS, WORKLOADS
+
+    h = p.add_argument_group("what is simulated (refserve's own)")
+    h.add_argument("--model", default="llama-3-8b", help="a preset (llama-3-8b, llama-3-70b, "
+                   "smollm2-135m) or an HF folder / config.json")
+    h.add_argument("--gpu", default="h100-80gb", help="h100-80gb, h200-141gb, a100-80gb, "
+                   "l4, rtx-4090, this-machine (measured now by the roofline bench), or a "
+                   "profile of --hardware")
+    h.add_argument("--hardware", type=Path, metavar="FILE", help="TOML/JSON GPU profiles "
+                   "(the layout of refserve/simulator/gpus.toml); may override built-in ones")
+    h.add_argument("--gpu-set", type=_assignment, action="append", default=[],
+                   metavar="FIELD=NUMBER", help="override one number of the GPU profile, e.g. "
+                   "memory_bandwidth=3.0e12 or peak_flops.bfloat16=8e14 (repeatable)")
+    h.add_argument("--usd-per-hour", type=_positive_float, default=None,
+                   help="price of one GPU per hour (default: the profile's assumption)")
+    w = p.add_argument_group("workload (refserve's own)")
+    w.add_argument("--workload", default="chat", choices=WORKLOADS)
+    w.add_argument("--replay", type=Path, metavar="JSONL", help="replay a trace instead of "
+                   "--workload: {\"timestamp\": s, \"prompt_tokens\": n, \"output_tokens\": m} "
+                   "per line (see refserve/simulator/workload.py)")
+    w.add_argument("--arrival", default="poisson", choices=ARRIVALS)
+    w.add_argument("--burstiness", type=_positive_float, default=4.0,
+                   help="bursty arrivals: coefficient of variation of the gaps")
+    w.add_argument("--seed", type=int, default=0, help="seed of the workload")
+
+
+def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
+    """The engine flags with vLLM's names (plan leaves out the ones it searches)."""
+    e = p.add_argument_group("engine: vLLM's names and meanings")
+    if not search:
+        e.add_argument("--tensor-parallel-size", type=int, default=1)
+        e.add_argument("--max-num-seqs", type=int, default=256)
+        e.add_argument("--max-num-batched-tokens", type=int, default=8192)
+        e.add_argument("--block-size", type=int, default=16)
+        e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    e.add_argument("--dtype", default="auto", choices=DTYPES)
+    r = p.add_argument_group("engine: refserve's own")
+    r.add_argument("--batching", default="continuous", choices=BATCHING)
+    r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS)
+    r.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3,
+                   help="KV pool of --gpu this-machine (the NumPy backend's knob)")
+
+
+def engine_config(args, **overrides) -> EngineConfig:
+    fields = dict(
+        max_model_len=args.max_model_len, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        dtype=args.dtype, batching=args.batching, kv_cache_layout=args.kv_cache_layout,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "gpu_memory_utilization", "enable_prefix_caching"):
+        if hasattr(args, name):
+            fields[name] = getattr(args, name)
+    fields.update(overrides)
+    try:
+        return EngineConfig(**fields)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+def load_hardware(args):
+    """(ModelShape, GpuProfile) from --model / --gpu / --hardware / --gpu-set."""
+    from refserve.simulator.hardware import (
+        THIS_MACHINE,
+        apply_overrides,
+        host_profile,
+        load_gpu,
+        load_model,
+    )
+
+    overrides = dict(args.gpu_set)
+    if args.usd_per_hour is not None:
+        overrides["usd_per_hour"] = args.usd_per_hour
+    try:
+        model = load_model(args.model)
+        if args.gpu == THIS_MACHINE:
+            from refserve.bench.roofline import measure_ceilings
+
+            print("measuring this machine (float32 matmul, array copy)...", file=sys.stderr,
+                  flush=True)
+            gpu = apply_overrides(host_profile(measure_ceilings(1024, 128)), overrides)
+        else:
+            gpu = load_gpu(args.gpu, args.hardware, overrides)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return model, gpu
+
+
+def make_requests(args, model, max_model_len: int, rate: float, seed: int | None = None,
+                  num_requests: int | None = None):
+    from refserve.simulator.workload import load_trace, make_workload
+
+    seed = args.seed if seed is None else seed
+    try:
+        if args.replay is not None:
+            return load_trace(args.replay, vocab_size=model.vocab_size,
+                              max_model_len=max_model_len, seed=seed,
+                              rate=None if math.isinf(rate) else rate)
+        return make_workload(args.workload, num_requests or args.num_requests, rate,
+                             vocab_size=model.vocab_size, max_model_len=max_model_len,
+                             seed=seed, arrival=args.arrival, burstiness=args.burstiness)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+def build_engine(model, gpu, config: EngineConfig, tensor_parallel_size: int):
+    from refserve.simulator.engine import SimulatedEngine
+
+    try:
+        return SimulatedEngine(model, gpu, config, tensor_parallel_size=tensor_parallel_size)
+    except (ValueError, NotImplementedError) as e:
+        raise CLIError(str(e)) from None
+
+
+def check_out_paths(args) -> None:
+    for name in ("json", "plot", "trace"):
+        path = getattr(args, name, None)
+        if path is not None:
+            check_json_path(path, f"--{name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog="python -m refserve.simulate", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_hardware_args(p)
+    w = p.add_argument_group("load")
+    w.add_argument("--rate", type=_positive_float, default=8.0,
+                   help="requests per second (inf: all at t = 0)")
+    w.add_argument("--num-requests", type=int, default=1000)
+    w.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="SECONDS",
+                   help="with --slo-tpot: report goodput (requests/s within both SLOs)")
+    w.add_argument("--slo-tpot", type=_positive_float, default=None, metavar="SECONDS")
+    add_engine_args(p)
+    o = p.add_argument_group("output")
+    for name, help_ in (("json", "every number"), ("plot", "a PNG chart"),
+                        ("trace", "Chrome trace-event JSON (Perfetto, chrome://tracing)")):
+        o.add_argument(f"--{name}", type=Path, nargs="?", const=Path(DEFAULT_OUT[name]),
+                       default=None, metavar="PATH",
+                       help=f"{help_} (default path {DEFAULT_OUT[name]})")
+    o.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def run(args) -> int:
+    if args.num_requests < 1:
+        raise CLIError(f"--num-requests {args.num_requests}: must be >= 1")
+    check_out_paths(args)
+    model, gpu = load_hardware(args)
+    config = engine_config(args)
+    engine = build_engine(model, gpu, config, args.tensor_parallel_size)
+    requests = make_requests(args, model, engine.max_model_len, args.rate)
+    try:
+        engine.check_requests(requests)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    from refserve.simulator.trace import TraceRecorder
+
+    print(f"model: {model.name} ({model.total_params / 1e9:.2f}B params, {engine.dtype})")
+    for line in gpu.describe(engine.dtype):
+        print(line)
+    print(engine.describe())
+    source = f"replay of {args.replay}" if args.replay else (
+        f"{args.workload}, {args.arrival} arrivals at {args.rate:g} req/s")
+    print(f"workload: {len(requests)} requests, {source}, seed {args.seed}", flush=True)
+    recorder = TraceRecorder() if args.trace is not None else None
+    t0 = time.perf_counter()
+    result = engine.run(requests, progress=not args.no_progress, recorder=recorder)
+    wall = time.perf_counter() - t0
+    s = result.summary
+    print(f"summary: {s.format()}")
+    rows = latency_table(result)
+    print_table(rows, [("metric", "", ""), ("p50", "p50 ms", ".1f"), ("p90", "p90 ms", ".1f"),
+                       ("p99", "p99 ms", ".1f"), ("max", "max ms", ".1f")])
+    total_price = gpu.usd_per_hour * args.tensor_parallel_size
+    cost = usd_per_million(total_price, s.output_tokens_per_s)
+    goodput = None
+    if args.slo_ttft is not None and args.slo_tpot is not None:
+        good = [m for m in result.metrics.values() if m.ttft is not None
+                and m.ttft <= args.slo_ttft and (m.tpot is None or m.tpot <= args.slo_tpot)]
+        goodput = len(good) / s.elapsed if s.elapsed > 0 else 0.0
+        print(f"goodput: {goodput:.2f} req/s within TTFT <= {args.slo_ttft} s and TPOT <= "
+              f"{args.slo_tpot} s ({len(good)}/{len(result.metrics)} requests)")
+    print(f"cost: {args.tensor_parallel_size} x ${gpu.usd_per_hour:.2f}/hour -> "
+          + ("-" if cost is None else f"${cost:.3f} per 1M output tokens"))
+    print(f"simulated {s.elapsed:.1f} s in {wall:.1f} s wall: {result.num_steps} steps, "
+          f"{result.num_steps / wall:.0f} steps/s")
+    report = {
+        "command": "python -m refserve.simulate " + " ".join(sys.argv[1:]),
+        "model": vars(model), "gpu": vars(gpu), "dtype": engine.dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "cost_model": vars(engine.cost_model.eff),
+        "config": {k: getattr(config, k) for k in (
+            "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
+            "enable_prefix_caching", "batching", "kv_cache_layout")},
+        "num_blocks": engine.num_blocks, "max_model_len": engine.max_model_len,
+        "workload": {"name": None if args.replay else args.workload,
+                     "replay": None if args.replay is None else str(args.replay),
+                     "rate": args.rate, "arrival": args.arrival, "seed": args.seed,
+                     "num_requests": len(requests)},
+        "summary": s.to_dict(), "latency_ms": rows, "goodput_req_s": goodput,
+        "usd_per_1m_output_tokens": cost, "wall_seconds": wall,
+        "num_steps": result.num_steps, "steps_per_second": result.num_steps / wall,
+        "requests": [{"request_id": rid, **m.to_dict()} for rid, m in result.metrics.items()],
+        "timeline": downsample(result.timeline, 2000)}
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"numbers written to {args.json}")
+    if args.plot is not None:
+        title = (f"{model.name} on {args.tensor_parallel_size} x {gpu.name} | "
+                 f"{'replay' if args.replay else args.workload} at {args.rate:g} req/s")
+        plot(result, engine, args.plot, title, args.slo_ttft, args.slo_tpot)
+        print(f"plot written to {args.plot}")
+    if recorder is not None:
+        recorder.write(args.trace)
+        print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def run_cli(parser: argparse.ArgumentParser, run_args, argv: list[str] | None) -> int:
+    """Parse, run; a CLIError is one `error:` line and exit status 2 (simulate and plan)."""
+    args = parser.parse_args(argv)
+    try:
+        return run_args(args)
+    except CLIError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""The simulator: refserve's real control plane at GPU scale, on a laptop.
+
+The real `Scheduler` and `KVCacheManager` run on a virtual clock; only the model forward is
+replaced, by a roofline cost model of the step's composition on a GPU profile. Modules:
+
+    hardware.py    GPU profiles (gpus.toml: every number with its source) and model shapes
+    cost_model.py  the step time: roofline terms, fitted efficiencies (`fit`)
+    workload.py    arrivals (Poisson, bursty), length distributions, shared prefixes, traces
+    engine.py      `SimulatedEngine`: schedule, price, update; the real engine's metrics
+    trace.py       Chrome trace-event JSON: a track per request and one for the steps
+
+Commands: `python -m refserve.simulate` (one configuration) and `python -m refserve.plan`
+(search configurations under SLOs; prints the `vllm serve` line). The simulator sits on the
+top floor beside the command lines: it imports the core, and no core module imports it.
+"""
+
+from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition, fit
+from refserve.simulator.engine import SimResult, SimulatedEngine, SyntheticOutputs
+from refserve.simulator.hardware import GpuProfile, ModelShape, load_gpu, load_model
+from refserve.simulator.trace import TraceRecorder
+from refserve.simulator.workload import SimRequest, load_trace, make_workload
+
+__all__ = ["CostModel", "Efficiencies", "GpuProfile", "ModelShape", "SimRequest", "SimResult",
+           "SimulatedEngine", "StepComposition", "SyntheticOutputs", "TraceRecorder", "fit",
+           "load_gpu", "load_model", "load_trace", "make_workload"]

@@ -1,0 +1,313 @@
+"""The time of one engine step, from what the step computes: a roofline per kernel family.
+
+A step is rows of "q query tokens at the end of a context of c tokens" (a prefill chunk, a
+decode: q = 1, a speculative verify: q = k + 1); l of a row's positions need logits. Its
+composition is five sums (`StepComposition`):
+
+    R = number of rows                    T = sum q      (query tokens)
+    S = sum l      (logits rows)          C = sum c      (KV tokens read)
+    A = sum (q c - q (q - 1) / 2)         query-key pairs: query j of a row attends the
+                                          c - q + j + 1 keys up to itself (causal)
+
+With P = layer_params, V H = lm_head_params (refserve/simulator/hardware.py), b bytes per
+weight, kv = KV bytes per token, L layers, W = num_heads * head_dim and p GPUs of tensor
+parallelism, one GPU's work is (WARMUP §8, per GPU):
+
+    GEMMs      F_lin = (2 T P + 2 S V H) / p   FLOPs      B_lin = b (P + V H) / p   bytes
+    attention  F_att = 4 L W A / p             FLOPs      B_kv  = kv / p * C        bytes
+               (QK^T and PV: 2 FLOPs per multiply-add each; every cached K/V read once)
+
+and the step takes
+
+    t = max(F_lin / (peak e_flops), B_lin / (bandwidth e_bw))       GEMMs: compute or weights
+      + max(F_att / (peak e_attn), B_kv / (bandwidth e_bw))         attention: compute or KV
+      + 2 L [2 (p - 1) / p * T H b / link + latency]  (p > 1)       two ring all-reduces of
+                                                                    the T x H activations
+                                                                    per layer
+      + step_overhead + row_overhead * R                            scheduling, launches,
+                                                                    sampling
+
+Each `max` is one roofline: a kernel is bound by its compute or by its memory traffic,
+whichever takes longer. A decode step at batch 1 is all weight bytes (t ~ B_lin / bw); a
+2048-token prefill is all FLOPs (t ~ F_lin / peak). The efficiencies e_flops, e_bw, e_attn
+and the two overheads are the only fitted numbers (`fit`); everything else is the model's
+shape and the GPU's data sheet.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from refserve.capacity import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from refserve.scheduler import SchedulerOutput
+    from refserve.simulator.hardware import GpuProfile, ModelShape
+
+
+@dataclass(frozen=True)
+class StepComposition:
+    """The five sums of a step (see the module docstring)."""
+
+    num_rows: int = 0
+    num_tokens: int = 0
+    num_logits: int = 0
+    context_tokens: int = 0
+    attention_pairs: int = 0
+
+    @classmethod
+    def from_rows(cls, rows) -> StepComposition:
+        """rows: (q query tokens, c context length after the step, l logits rows) each."""
+        r = t = s = c = a = 0
+        for q, ctx, logits in rows:
+            if not 1 <= q <= ctx or not 0 <= logits <= q:
+                raise ValueError(f"a row needs 1 <= q <= c and 0 <= l <= q, got "
+                                 f"(q={q}, c={ctx}, l={logits})")
+            r += 1
+            t += q
+            s += logits
+            c += ctx
+            a += q * ctx - q * (q - 1) // 2
+        return cls(r, t, s, c, a)
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepComposition:
+        """The composition of a scheduler step: a row computes [start, start + num_tokens)."""
+        return cls.from_rows((row.num_tokens, row.start + row.num_tokens, row.num_logits)
+                             for row in out.scheduled)
+
+
+@dataclass(frozen=True)
+class Efficiencies:
+    """The fitted numbers: fractions of the peaks a kernel reaches, and the overheads."""
+
+    flops: float
+    bandwidth: float
+    attention: float
+    step_overhead_s: float
+    row_overhead_s: float
+
+    @classmethod
+    def of(cls, gpu: GpuProfile) -> Efficiencies:
+        return cls(gpu.flops_efficiency, gpu.bandwidth_efficiency, gpu.attention_efficiency,
+                   gpu.step_overhead_s, gpu.row_overhead_s)
+
+
+class CostModel:
+    """Step time of `model` on `tensor_parallel_size` x `gpu` in `dtype` (module docstring).
+
+    `step_time(out)` is the simulator's interface: anything with that method (e.g. a replay
+    of measured step times) can stand in for this class.
+    """
+
+    def __init__(self, model: ModelShape, gpu: GpuProfile, dtype: str,
+                 tensor_parallel_size: int = 1, efficiencies: Efficiencies | None = None):
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: must be >= 1")
+        self.model, self.gpu, self.dtype = model, gpu, dtype
+        self.tp = tensor_parallel_size
+        self.eff = efficiencies or Efficiencies.of(gpu)
+        self.peak = gpu.peak(dtype)
+        b = DTYPE_BYTES[dtype]
+        p = self.tp
+        # Per-token coefficients of the formulas, per GPU.
+        self.flops_per_token = 2 * model.layer_params / p
+        self.flops_per_logit = 2 * model.lm_head_params / p
+        self.weight_bytes = b * (model.layer_params + model.lm_head_params) / p
+        self.flops_per_pair = 4 * model.num_layers * model.attention_width / p
+        self.kv_bytes_per_token = model.kv_bytes_per_token(b, p)
+        self.allreduce_bytes_per_token = model.hidden_size * b
+        self.num_allreduces = 2 * model.num_layers if p > 1 else 0
+
+    # ---- the formulas ----------------------------------------------------------------
+
+    def work(self, comp: StepComposition) -> dict[str, float]:
+        """F_lin, B_lin, F_att, B_kv of one GPU, and the all-reduce bytes each GPU sends."""
+        p = self.tp
+        return {
+            "linear_flops": self.flops_per_token * comp.num_tokens
+                            + self.flops_per_logit * comp.num_logits,
+            "linear_bytes": self.weight_bytes,
+            "attention_flops": self.flops_per_pair * comp.attention_pairs,
+            "kv_bytes": self.kv_bytes_per_token * comp.context_tokens,
+            "allreduce_bytes": (self.num_allreduces * 2 * (p - 1) / p
+                                * comp.num_tokens * self.allreduce_bytes_per_token),
+        }
+
+    def terms(self, comp: StepComposition) -> dict[str, float]:
+        """Seconds of each term of the step time; their sum is `time(comp)`."""
+        w = self.work(comp)
+        e, gpu = self.eff, self.gpu
+        compute = self.peak * e.flops
+        memory = gpu.memory_bandwidth * e.bandwidth
+        comm = 0.0
+        if self.num_allreduces:
+            comm = (w["allreduce_bytes"] / gpu.interconnect_bandwidth
+                    + self.num_allreduces * gpu.allreduce_latency_s)
+        return {
+            "linear": max(w["linear_flops"] / compute, w["linear_bytes"] / memory),
+            "attention": max(w["attention_flops"] / (self.peak * e.attention),
+                             w["kv_bytes"] / memory),
+            "allreduce": comm,
+            "overhead": e.step_overhead_s + e.row_overhead_s * comp.num_rows,
+        }
+
+    def time(self, comp: StepComposition) -> float:
+        if comp.num_rows == 0:
+            return 0.0
+        return sum(self.terms(comp).values())
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        """Seconds the scheduler step `out` takes on this hardware."""
+        return self.time(StepComposition.of(out))
+
+    def with_efficiencies(self, eff: Efficiencies) -> CostModel:
+        return CostModel(self.model, self.gpu, self.dtype, self.tp, eff)
+
+    def describe(self) -> str:
+        e = self.eff
+        return (f"cost model: {self.tp} x {self.gpu.name}, {self.dtype}; GEMM "
+                f"{e.flops:.0%} of {self.peak / 1e12:.0f} TFLOP/s, bandwidth {e.bandwidth:.0%} "
+                f"of {self.gpu.memory_bandwidth / 1e9:.0f} GB/s, attention {e.attention:.0%}, "
+                f"overhead {e.step_overhead_s * 1e3:.2f} ms + {e.row_overhead_s * 1e6:.1f} "
+                f"us/row")
+
+
+# ---- fitting the efficiencies ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FitResult:
+    cost_model: CostModel
+    num_samples: int
+    rms_relative_error: float
+    max_relative_error: float
+    iterations: int
+
+
+def fit(cost_model: CostModel, profile, max_iterations: int = 50) -> FitResult:
+    """Fit the efficiencies and overheads of `cost_model` to measured steps.
+
+    `profile`: (StepComposition, seconds) pairs of one model at one tensor-parallel degree.
+    Writing x_f = 1 / (peak e_flops), x_b = 1 / (bandwidth e_bw), x_a = 1 / (peak e_attn),
+    the model is
+
+        t = max(F_lin x_f, B_lin x_b) + max(F_att x_a, B_kv x_b) + o_step + o_row R + comm
+
+    Which side of each `max` binds is the roofline's question. Given that choice per sample,
+    t is linear in theta = (x_f, x_a, x_b, o_step, o_row), so this alternates:
+
+        1. with the current theta, mark each sample's GEMMs and attention compute- or
+           memory-bound;
+        2. solve the least-squares problem on RELATIVE errors (each equation divided by
+           the measured t, so a 30 ms prefill and a 3 ms decode count alike) with
+           theta >= 0: the best of the unconstrained solutions on every support (there
+           are only 2^5 of them);
+        3. stop when the marks no longer change.
+
+    A parameter no sample exercises (its column is all zero, e.g. attention compute in a
+    profile of pure decodes) keeps its prior value. An efficiency above 1 means the peak in
+    the profile is too low for this machine. The start point is the cost model's own
+    efficiencies, so the fit refines the priors.
+    """
+    samples = [(c, float(t)) for c, t in profile]
+    if len(samples) < 2:
+        raise ValueError(f"fit needs at least 2 measured steps, got {len(samples)}")
+    if any(t <= 0 for _, t in samples):
+        raise ValueError("fit: every measured step time must be > 0 seconds")
+    gpu, e = cost_model.gpu, cost_model.eff
+    peak, bw = cost_model.peak, gpu.memory_bandwidth
+    works = [cost_model.work(c) for c, _ in samples]
+    f_lin = np.array([w["linear_flops"] / peak for w in works])
+    b_lin = np.array([w["linear_bytes"] / bw for w in works])
+    f_att = np.array([w["attention_flops"] / peak for w in works])
+    b_kv = np.array([w["kv_bytes"] / bw for w in works])
+    rows = np.array([c.num_rows for c, _ in samples], dtype=float)
+    t = np.array([s for _, s in samples])
+    comm = np.array([cost_model.terms(c)["allreduce"] for c, _ in samples])
+    theta = np.array([1 / e.flops, 1 / e.attention, 1 / e.bandwidth, e.step_overhead_s,
+                      e.row_overhead_s])
+    marks, iterations = None, 0
+    while iterations < max_iterations:
+        iterations += 1
+        lin_compute = f_lin * theta[0] >= b_lin * theta[2]
+        att_compute = f_att * theta[1] >= b_kv * theta[2]
+        new_marks = (tuple(lin_compute), tuple(att_compute))
+        if new_marks == marks:
+            break
+        marks = new_marks
+        x = np.stack([np.where(lin_compute, f_lin, 0.0), np.where(att_compute, f_att, 0.0),
+                      np.where(lin_compute, 0.0, b_lin) + np.where(att_compute, 0.0, b_kv),
+                      np.ones_like(t), rows], axis=1)
+        theta = _nonnegative_lstsq(x / t[:, None], (t - comm) / t, theta)
+    fitted = Efficiencies(flops=1 / theta[0], attention=1 / theta[1], bandwidth=1 / theta[2],
+                          step_overhead_s=float(theta[3]), row_overhead_s=float(theta[4]))
+    model = cost_model.with_efficiencies(fitted)
+    predicted = np.array([model.time(c) for c, _ in samples])
+    rel = (predicted - t) / t
+    return FitResult(model, len(samples), float(np.sqrt(np.mean(rel**2))),
+                     float(np.max(np.abs(rel))), iterations)
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, prior: np.ndarray,
+                       ridge: float = 1e-6) -> np.ndarray:
+    """argmin ||x theta - y||^2 + ridge ||u - u_prior||^2 over theta >= 0, u being theta in
+    units where each column of x has norm 1: the best unconstrained solution over every
+    support that comes out nonnegative. The tiny ridge only matters where the data cannot
+    tell parameters apart (e.g. a fixed overhead and the weight read of decodes that all
+    read the same weights): among equally good fits it picks the one nearest the prior.
+    Columns that are all zero keep `prior`; an efficiency is never set to infinity (a
+    theta of 0 for x_f, x_a or x_b falls back to the prior)."""
+    used = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
+    fixed = [j for j in range(x.shape[1]) if j not in used]
+    target = y - x[:, fixed] @ prior[fixed] if fixed else y
+    norms = np.linalg.norm(x[:, used], axis=0)
+    xs = x[:, used] / norms
+    u_prior = prior[used] * norms
+    best, best_err = None, np.inf
+    for size in range(len(used), 0, -1):
+        for support in itertools.combinations(range(len(used)), size):
+            cols = list(support)
+            a = np.vstack([xs[:, cols], np.sqrt(ridge) * np.eye(len(cols))])
+            b = np.concatenate([target, np.sqrt(ridge) * u_prior[cols]])
+            sol, *_ = np.linalg.lstsq(a, b, rcond=None)
+            if np.any(sol < 0):
+                continue
+            off = [k for k in range(len(used)) if k not in support]
+            err = float(np.sum((a @ sol - b) ** 2) + ridge * np.sum(u_prior[off] ** 2))
+            if err < best_err:
+                best, best_err = dict(zip(cols, sol)), err
+    theta = prior.copy()
+    for k, j in enumerate(used):
+        value = best.get(k, 0.0) / norms[k] if best is not None else prior[j]
+        theta[j] = value if value > 0 or j >= 3 else prior[j]
+    return theta
+
+
+def replay(step_times) -> ReplayedSteps:
+    """A stand-in cost model that returns measured step times in order (for checking the
+    simulator's schedule against a real run fed the same times)."""
+    return ReplayedSteps(list(step_times))
+
+
+@dataclass
+class ReplayedSteps:
+    times: list[float]
+    index: int = 0
+
+    def step_time(self, out) -> float:
+        if self.index >= len(self.times):
+            raise ValueError(f"replay: the simulation ran more steps than the "
+                             f"{len(self.times)} measured ones")
+        self.index += 1
+        return self.times[self.index - 1]
+
+
+__all__ = ["CostModel", "Efficiencies", "FitResult", "ReplayedSteps", "StepComposition",
+           "fit", "replay"]

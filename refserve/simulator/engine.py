@@ -1,0 +1,304 @@
+"""The simulated engine: refserve's real Scheduler and KVCacheManager on a virtual clock.
+
+Only the model is replaced. One step is
+
+    out = scheduler.schedule()           the real one: admit / advance / preempt, chunked
+                                         prefill, prefix-cache hits, copy-on-write
+    clock += cost_model.step_time(out)   instead of runner.forward + sampling
+    scheduler.update(out, tokens)        the real one: append, hash full blocks, retire,
+                                         free; the tokens are the request's own next ones
+
+and requests join `waiting` when the clock passes their arrival time (the serving loop's
+inbox). The KV pool is sized like the real engine's (refserve/engine.py): on a GPU,
+gpu_memory_utilization x memory - weights / tp - reserved - one step's activations; on the
+host profile, kv_cache_memory_bytes; num_gpu_blocks_override wins over both.
+
+Per request it fills the real engine's `RequestMetrics` (arrival, first token and finish on
+the virtual clock, cached tokens, preemptions) and per run `metrics.summarize`'s
+`RunSummary`: the same TTFT / TPOT / KV peak / prefix hit rate / slot-step numbers, printed
+by the same `format()`.
+
+The seam for speculative decoding (phase 2) is `SyntheticOutputs`: `propose` runs before
+`schedule()` (it will put k drafts on the running sequences, as the real proposer does) and
+`sample` returns a row's tokens (it will accept a geometric number of drafts with the
+request's acceptance rate alpha). The cost model already prices a verify row: q = k + 1
+query tokens, k + 1 logits rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from refserve import capacity
+from refserve.config import (
+    EngineConfig,
+    resolve_long_prefill_token_threshold,
+    resolve_max_num_batched_tokens,
+)
+from refserve.kv_cache import KVCacheManager
+from refserve.metrics import RequestMetrics, RunSummary, summarize
+from refserve.sampling_params import SamplingParams
+from refserve.scheduler import Scheduler, StaticScheduler
+from refserve.sequence import Sequence
+from refserve.simulator.cost_model import CostModel
+from refserve.simulator.hardware import GpuProfile, ModelShape
+from refserve.simulator.workload import SimRequest
+
+
+def resolve_dtype(dtype: str, gpu: GpuProfile, model: ModelShape) -> str:
+    """--dtype auto: the checkpoint's dtype on a GPU, float32 on the host (NumPy)."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if gpu.kind == "host" else model.dtype
+
+
+def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype: str,
+                 tensor_parallel_size: int, max_model_len: int, block_size: int
+                 ) -> tuple[int, str]:
+    """(KV blocks per GPU, what sized them), by the real engine's rule (module docstring).
+    Raises ValueError when the weights do not fit or the pool cannot hold one sequence."""
+    b = capacity.DTYPE_BYTES[dtype]
+    tp = tensor_parallel_size
+    bytes_per_block = capacity.kv_bytes_per_block(model.kv_bytes_per_token(b, tp), block_size)
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+        knob = f"num_gpu_blocks_override={num_blocks}"
+    else:
+        if gpu.kind == "host":
+            num_blocks = capacity.num_blocks_for_memory(config.kv_cache_memory_bytes, 1.0, 0,
+                                                        bytes_per_block)
+            knob = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+        else:
+            tokens = resolve_max_num_batched_tokens(config.max_num_batched_tokens, "cupy")
+            activations = (tokens * (4 * model.hidden_size + 2 * model.intermediate_size) * b
+                           // tp + min(tokens, config.max_num_seqs) * model.vocab_size * 4)
+            weights = model.total_params * b // tp
+            try:
+                num_blocks = capacity.num_blocks_for_memory(
+                    gpu.memory_bytes, config.gpu_memory_utilization,
+                    weights + gpu.reserved_bytes, bytes_per_block, activations)
+            except ValueError as e:
+                raise ValueError(f"{model.name} on {tp} x {gpu.name}: {e}; use more GPUs "
+                                 "(--tensor-parallel-size) or a larger one") from None
+            knob = (f"gpu_memory_utilization={config.gpu_memory_utilization} of "
+                    f"{capacity.format_bytes(gpu.memory_bytes)}, weights "
+                    f"{capacity.format_bytes(weights)} per GPU")
+        # As the real engine: more blocks than max_num_seqs full-length sequences can use
+        # is memory nobody can use.
+        num_blocks = min(num_blocks, config.max_num_seqs * capacity.blocks_for_tokens(
+            max_model_len, block_size))
+    capacity.check_pool_holds_one_sequence(num_blocks, block_size, max_model_len, knob)
+    return num_blocks, knob
+
+
+class SyntheticOutputs:
+    """What the "model" emits: each sampling row appends the request's next output token.
+
+    The simulator's only stand-in for the forward pass and the sampler. Phase 2 subclasses
+    it for speculative decoding (see the module docstring)."""
+
+    def propose(self, scheduler) -> None:
+        """Before schedule(): no drafts without speculation."""
+
+    def sample(self, row, request: SimRequest) -> list[int]:
+        return [request.output_token_ids[row.seq.num_output_tokens]]
+
+
+@dataclass
+class SimResult:
+    """A finished simulation: per-request metrics (in arrival order), the run summary, and
+    one timeline sample per step: start and end time, scheduled rows, tokens sampled,
+    sequences waiting after it was scheduled, KV blocks used."""
+
+    metrics: dict[str, RequestMetrics]
+    summary: RunSummary
+    timeline: dict[str, list] = field(default_factory=dict)
+    num_steps: int = 0
+    wall_seconds: float = 0.0
+    stopped_early: bool = False
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.num_steps / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+class SimulatedEngine:
+    def __init__(self, model: ModelShape, gpu: GpuProfile, config: EngineConfig | None = None,
+                 *, tensor_parallel_size: int = 1, cost_model=None,
+                 outputs: SyntheticOutputs | None = None, **kwargs) -> None:
+        """`config`: the real engine's EngineConfig (vLLM's knob names); or its fields as
+        keywords. `cost_model`: anything with `step_time(out) -> seconds` (default: the
+        roofline CostModel of this model on tensor_parallel_size x gpu)."""
+        config = config or EngineConfig(**kwargs)
+        # The budget defaults of the backend the profile stands for (config.py): a GPU runs
+        # the CuPy backend's, "this machine" the NumPy backend's.
+        backend = "numpy" if gpu.kind == "host" else "cupy"
+        budget = resolve_max_num_batched_tokens(config.max_num_batched_tokens, backend)
+        self.config = config = dataclasses.replace(
+            config, max_num_batched_tokens=budget,
+            long_prefill_token_threshold=resolve_long_prefill_token_threshold(
+                config.long_prefill_token_threshold, config.max_num_batched_tokens is None,
+                budget, backend))
+        if config.speculative_config is not None:
+            raise NotImplementedError("the simulator does not speculate yet (phase 2 of "
+                                      "issue 18); drop speculative_config")
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: must be >= 1")
+        if gpu.kind == "host" and tensor_parallel_size > 1:
+            raise ValueError("tensor parallelism needs GPUs; the host profile has one CPU")
+        self.model, self.gpu, self.tensor_parallel_size = model, gpu, tensor_parallel_size
+        self.dtype = resolve_dtype(config.dtype, gpu, model)
+        gpu.peak(self.dtype)  # refuses a dtype the profile has no peak for
+        self.max_model_len = config.max_model_len or model.max_position_embeddings
+        contiguous = config.kv_cache_layout == "contiguous"
+        self.block_size = self.max_model_len if contiguous else config.block_size
+        self.num_blocks, self.pool_sized_by = size_kv_pool(
+            model, gpu, config, self.dtype, tensor_parallel_size, self.max_model_len,
+            self.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, self.block_size,
+            enable_prefix_caching=config.enable_prefix_caching and not contiguous)
+        scheduler_cls = StaticScheduler if config.batching == "static" else Scheduler
+        self.scheduler = scheduler_cls(
+            config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache_manager,
+            self.max_model_len, eos_token_id=model.eos_token_id,
+            long_prefill_token_threshold=config.long_prefill_token_threshold)
+        self.cost_model = cost_model or CostModel(model, gpu, self.dtype, tensor_parallel_size)
+        self.outputs = outputs or SyntheticOutputs()
+        self.clock = 0.0
+        self.metrics: dict[str, RequestMetrics] = {}
+
+    def describe(self) -> str:
+        tokens = self.num_blocks * self.block_size
+        return (f"KV cache {self.num_blocks} blocks x {self.block_size} tokens = {tokens} "
+                f"tokens per GPU (sized by {self.pool_sized_by}) | max_num_seqs "
+                f"{self.config.max_num_seqs}, max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens}, prefix caching "
+                f"{'on' if self.kv_cache_manager.enable_prefix_caching else 'off'}, "
+                f"max_model_len {self.max_model_len}, tensor parallel "
+                f"{self.tensor_parallel_size}")
+
+    def check_requests(self, requests: list[SimRequest]) -> None:
+        """Raise ValueError naming the first request that could never run here."""
+        seen = set()
+        for r in requests:
+            if r.request_id in seen:
+                raise ValueError(f"request_id {r.request_id!r} appears twice")
+            seen.add(r.request_id)
+            if not r.output_token_ids:
+                raise ValueError(f"request {r.request_id!r} asks for no output tokens")
+            try:
+                self.scheduler.check_fits(r.num_prompt_tokens, 1)
+            except ValueError as e:
+                raise ValueError(f"request {r.request_id!r}: {e}") from None
+
+    def run(self, requests: list[SimRequest], *, progress: bool = False, recorder=None,
+            on_step=None, check_invariants: bool = False) -> SimResult:
+        """Simulate until every request finished (or `on_step` returns True: stopped early).
+
+        recorder          a trace.TraceRecorder (or anything with its arrive / step /
+                          finish methods)
+        on_step(engine, t_start, t_end, out, retired)   called after every step
+        check_invariants  kv_cache_manager.check_invariants() after every step (tests)
+        """
+        requests = sorted(requests, key=lambda r: r.arrival_time)
+        self.check_requests(requests)
+        sched, kv = self.scheduler, self.kv_cache_manager
+        step_time, outputs = self.cost_model.step_time, self.outputs
+        # Live while it runs: on_step may read every request's metrics so far.
+        metrics = self.metrics = {}
+        request_of: dict[int, SimRequest] = {}   # seq_id -> its request
+        passes: dict[int, int] = {}
+        timeline = {"t": [], "t_end": [], "scheduled": [], "sampled": [], "waiting": [],
+                    "kv_blocks_used": []}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(requests), unit="req", desc="simulating", mininterval=0.5)
+        peak, i, n, stopped = 0, 0, len(requests), False
+        wall0 = time.perf_counter()
+        now = self.clock = requests[0].arrival_time if requests else 0.0
+        while True:
+            while i < n and requests[i].arrival_time <= now:
+                r = requests[i]
+                seq = Sequence(r.request_id, r.prompt_token_ids,
+                               SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True),
+                               r.arrival_time)
+                sched.add_sequence(seq)
+                request_of[seq.seq_id] = r
+                passes[seq.seq_id] = 0
+                metrics[r.request_id] = RequestMetrics(arrival_time=r.arrival_time,
+                                                       num_prompt_tokens=r.num_prompt_tokens)
+                if recorder is not None:
+                    recorder.arrive(r.request_id, r.arrival_time)
+                i += 1
+            if not sched.has_unfinished():
+                if i == n:
+                    break
+                now = requests[i].arrival_time  # idle until the next arrival
+                continue
+            outputs.propose(sched)
+            out = sched.schedule()  # raises if it could schedule nothing
+            used = kv.num_held_blocks  # fullest now: nothing retired yet
+            peak = max(peak, used)
+            t_start = now
+            now = self.clock = now + step_time(out)
+            sampled = {}
+            for row in out.scheduled:
+                if row.num_logits and not row.is_padding:
+                    seq = row.seq
+                    sampled[seq.seq_id] = outputs.sample(row, request_of[seq.seq_id])
+            retired = sched.update(out, sampled).retired
+            for row in out.scheduled:
+                seq = row.seq
+                if seq.seq_id in sampled:
+                    passes[seq.seq_id] += 1
+                    m = metrics[seq.request_id]
+                    if m.first_token_time is None:
+                        m.first_token_time = now
+            if recorder is not None:
+                recorder.step(t_start, now, out, kv_blocks_used=used,
+                              kv_blocks_total=kv.num_blocks, num_waiting=sched.num_waiting)
+            for seq in retired:
+                self._finish(metrics[seq.request_id], seq, passes[seq.seq_id], now)
+                if recorder is not None:
+                    recorder.finish(seq.request_id, now)
+            timeline["t"].append(t_start)
+            timeline["t_end"].append(now)
+            timeline["scheduled"].append(len(out.scheduled))
+            timeline["sampled"].append(sum(map(len, sampled.values())))
+            timeline["waiting"].append(sched.num_waiting)
+            timeline["kv_blocks_used"].append(used)
+            if check_invariants:
+                kv.check_invariants()
+            if bar is not None and retired:
+                bar.update(len(retired))
+            if on_step is not None and on_step(self, t_start, now, out, retired):
+                stopped = True
+                break
+        if bar is not None:
+            bar.close()
+        wall = time.perf_counter() - wall0
+        start = requests[0].arrival_time if requests else 0.0
+        summary = summarize(list(metrics.values()), now - start, {
+            "num_steps": sched.num_steps, "slot_steps_used": sched.slot_steps_used,
+            "slot_steps_wasted": sched.slot_steps_wasted, "kv_blocks_peak": peak,
+            "kv_blocks_total": kv.num_blocks,
+            "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
+            "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens})
+        return SimResult(metrics, summary, timeline, sched.num_steps, wall, stopped)
+
+    @staticmethod
+    def _finish(m: RequestMetrics, seq: Sequence, num_passes: int, now: float) -> None:
+        """The real engine's finish bookkeeping (output_processor.postprocess), for one
+        sequence: TPOT from the sequence's own decode time."""
+        m.finish_time = now
+        m.num_output_tokens = seq.num_output_tokens
+        decoding = seq.num_output_tokens > 1
+        m.decode_time = now - m.first_token_time if decoding else 0.0
+        m.num_decode_tokens = seq.num_output_tokens - 1 if decoding else 0
+        m.num_cached_tokens = seq.num_cached_tokens
+        m.num_preemptions = seq.num_preemptions
+        m.num_target_passes = num_passes

@@ -1,0 +1,171 @@
+"""A timeline of a run as Chrome trace-event JSON (open it in https://ui.perfetto.dev or
+chrome://tracing): one track per request, one for the engine's steps.
+
+Request tracks. Every request is, at each moment from its arrival to its finish, in exactly
+one state, so its spans tile [arrival, finish] and their durations add up to its latency:
+
+    waiting    arrived, never scheduled yet (queueing)
+    prefill    one span per prefill chunk (the step that computed it); a recompute after a
+               preemption is a prefill again
+    decode     consecutive decode (or speculative verify) steps, merged into one span
+    stalled    running, but given no tokens in a step (the token budget ran out)
+    preempted  its blocks were taken back (recompute); waiting to be readmitted
+
+The engine track has one span per step (args: rows, tokens, prefill / decode split, KV
+blocks used) and counters for running, waiting and KV blocks.
+
+`TraceRecorder` takes events, not engines: `arrive(request_id, t)`, `step(t_start, t_end,
+out, ...)` with the scheduler's `SchedulerOutput`, `finish(request_id, t)`. The simulator
+feeds it; the real engine can feed the same calls with time.perf_counter() times (pass
+`origin` = the first arrival) without importing the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATES = ("waiting", "prefill", "decode", "stalled", "preempted")
+_ENGINE_PID, _REQUESTS_PID = 0, 1
+
+
+@dataclass
+class _Track:
+    tid: int
+    arrival: float
+    state: str = "waiting"
+    since: float = 0.0
+    args: dict = field(default_factory=dict)
+    spans: list[tuple[str, float, float, dict]] = field(default_factory=list)
+    finished: float | None = None
+
+
+class TraceRecorder:
+    def __init__(self, origin: float = 0.0) -> None:
+        self.origin = origin
+        self._tracks: dict[str, _Track] = {}
+        self._running: set[str] = set()       # requests in prefill / decode / stalled
+        self._request_of: dict[int, str] = {}  # seq_id -> request_id
+        self._steps: list[dict] = []
+        self._counters: list[dict] = []
+        self._last_counts: tuple | None = None
+        self._end = origin
+
+    # ---- events ------------------------------------------------------------------------
+
+    def arrive(self, request_id: str, t: float) -> None:
+        if request_id in self._tracks:
+            raise ValueError(f"trace: request {request_id!r} arrived twice")
+        self._tracks[request_id] = _Track(len(self._tracks) + 1, t, "waiting", t)
+        self._end = max(self._end, t)
+
+    def step(self, t_start: float, t_end: float, out, *, kv_blocks_used: int,
+             kv_blocks_total: int, num_waiting: int) -> None:
+        """One scheduler step `out` computed from t_start to t_end. Call it before the
+        `finish` of the requests the step retired."""
+        scheduled: dict[str, tuple[str, object]] = {}
+        prefill_tokens = decode_rows = 0
+        for row in out.scheduled:
+            if row.is_padding:
+                continue
+            rid = row.seq.request_id
+            self._request_of[row.seq.seq_id] = rid
+            decoding = row.kind in ("decode", "verify")
+            scheduled[rid] = ("decode" if decoding else "prefill", row)
+            if decoding:
+                decode_rows += 1
+            else:
+                prefill_tokens += row.num_tokens
+        for seq_id in out.preempted:
+            rid = self._request_of.get(seq_id)
+            if rid is not None:
+                self._enter(rid, "preempted", t_start)
+                self._running.discard(rid)
+        for rid, (state, row) in scheduled.items():
+            args = {"tokens": row.num_tokens, "positions": f"[{row.start}, {row.end})"}
+            self._enter(rid, state, t_start, new_span=state == "prefill", args=args)
+            self._running.add(rid)
+        for rid in self._running - scheduled.keys():
+            self._enter(rid, "stalled", t_start)
+        rows = len(scheduled)
+        self._steps.append({
+            "name": f"step {out.step}: {rows - decode_rows} prefill + {decode_rows} decode",
+            "ph": "X", "pid": _ENGINE_PID, "tid": 0, "ts": self._us(t_start),
+            "dur": self._us(t_end) - self._us(t_start),
+            "args": {"rows": rows, "tokens": out.num_batched_tokens,
+                     "prefill_tokens": prefill_tokens, "decode_rows": decode_rows,
+                     "kv_blocks_used": kv_blocks_used, "kv_blocks_total": kv_blocks_total,
+                     "waiting": num_waiting, "preempted": len(out.preempted)}})
+        counts = (rows, num_waiting, kv_blocks_used)
+        if counts != self._last_counts:
+            self._last_counts = counts
+            ts = self._us(t_start)
+            self._counters.append({"name": "sequences", "ph": "C", "pid": _ENGINE_PID,
+                                   "ts": ts, "args": {"scheduled": rows,
+                                                      "waiting": num_waiting}})
+            self._counters.append({"name": "KV blocks used", "ph": "C", "pid": _ENGINE_PID,
+                                   "ts": ts, "args": {"blocks": kv_blocks_used}})
+        self._end = max(self._end, t_end)
+
+    def finish(self, request_id: str, t: float) -> None:
+        """The request finished at t (its last span ends there)."""
+        track = self._tracks[request_id]
+        if track.finished is not None:
+            raise ValueError(f"trace: request {request_id!r} finished twice")
+        self._close(track, t)
+        track.finished = t
+        self._running.discard(request_id)
+        self._end = max(self._end, t)
+
+    # ---- reading it back ---------------------------------------------------------------
+
+    def spans(self, request_id: str, with_args: bool = False) -> list[tuple]:
+        """(state, start, end) of a request, in seconds (plus the span's args dict with
+        `with_args`); an unfinished request's last span runs to the latest event."""
+        track = self._tracks[request_id]
+        spans = list(track.spans)
+        if track.finished is None:
+            spans.append((track.state, track.since, self._end, track.args))
+        return spans if with_args else [span[:3] for span in spans]
+
+    def to_json(self) -> dict:
+        events = [{"name": "process_name", "ph": "M", "pid": _ENGINE_PID,
+                   "args": {"name": "engine"}},
+                  {"name": "thread_name", "ph": "M", "pid": _ENGINE_PID, "tid": 0,
+                   "args": {"name": "steps"}},
+                  {"name": "process_name", "ph": "M", "pid": _REQUESTS_PID,
+                   "args": {"name": "requests"}}]
+        events += self._steps + self._counters
+        for rid, track in self._tracks.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": _REQUESTS_PID,
+                           "tid": track.tid, "args": {"name": rid}})
+            for state, a, b, args in self.spans(rid, with_args=True):
+                start = self._us(a)
+                event = {"name": state, "cat": "request", "ph": "X", "pid": _REQUESTS_PID,
+                         "tid": track.tid, "ts": start, "dur": self._us(b) - start}
+                if args:
+                    event["args"] = args
+                events.append(event)
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _us(self, t: float) -> float:
+        return (t - self.origin) * 1e6
+
+    def _enter(self, rid: str, state: str, t: float, new_span: bool = False,
+               args: dict | None = None) -> None:
+        track = self._tracks[rid]
+        if track.state == state and not new_span:
+            return
+        self._close(track, t)
+        track.state, track.since, track.args = state, t, args or {}
+
+    @staticmethod
+    def _close(track: _Track, t: float) -> None:
+        if t > track.since:  # zero-length spans (scheduled on arrival) are left out
+            track.spans.append((track.state, track.since, t, track.args))

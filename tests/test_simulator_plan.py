@@ -1,0 +1,82 @@
+"""The planner: its chosen configuration keeps its SLOs on a workload it never saw."""
+
+import numpy as np
+import pytest
+
+from refserve.config import EngineConfig
+from refserve.plan import parse_duration, vllm_command
+from refserve.simulator import load_gpu, load_model, make_workload
+from refserve.simulator.search import SLO, Candidate, Planner
+
+MODEL = load_model("llama-3-8b")
+GPU = load_gpu("h100-80gb")
+
+
+def requests(rate, seed, num_requests):
+    """Chat traffic with answers cut to 24 tokens: a short W keeps the test quick."""
+    reqs = make_workload("chat", num_requests, rate, vocab_size=MODEL.vocab_size,
+                         max_model_len=2048, seed=seed)
+    for r in reqs:
+        del r.output_token_ids[24:]
+    return reqs
+
+
+def test_the_p99_early_stop_is_certain_and_not_early():
+    """After violations_allowed(n) + 1 values above the SLO the p99 is above it, whatever
+    the other values; with violations_allowed(n) it can still be within (so stopping then
+    would be early)."""
+    rng = np.random.default_rng(0)
+    for n in (10, 99, 100, 101, 600, 1000):
+        k = SLO(1.0, 1.0).violations_allowed(n)
+        for _ in range(20):
+            low = rng.uniform(0, 0.5, n - k - 1)
+            assert np.percentile(np.concatenate([low, rng.uniform(1.01, 2, k + 1)]), 99) > 1
+        # k values just above the SLO: the interpolated p99 stays at or below it
+        assert np.percentile(np.concatenate([np.zeros(n - k), np.full(k, 1 + 1e-9)]), 99) <= 1
+
+
+def test_chosen_configuration_meets_its_slos_on_another_seed():
+    slo = SLO(ttft_p99=1.0, tpot_p99=0.012)  # a tight TPOT: the batch size matters
+    planner = Planner(MODEL, GPU, requests, slo, num_requests=120, seed=0, tolerance=0.05)
+    start = Candidate(EngineConfig(max_model_len=2048, max_num_seqs=256), 1)
+    best, best_ev, tried = planner.search(start, {"max_num_seqs": [32, 128, 256],
+                                                  "max_num_batched_tokens": [2048, 8192]})
+    assert best_ev is not None and best_ev.ok and len(tried) >= 3
+    if best_ev.bound == "SLO":  # the edge: a little faster and the SLO is lost
+        assert not planner.evaluate(best, best_ev.rate * (1 + 3 * planner.tolerance)).ok
+    planned = planner.planned_rate(best, best_ev.rate, headroom=0.1, seeds=(1, 2))
+    assert planned is not None and planned.rate <= 0.9 * best_ev.rate + 1e-9
+    # A workload the search never saw, at the planned rate: still within the SLOs.
+    again = planner.evaluate(best, planned.rate, seed=7)
+    assert again.ok, again
+    assert again.ttft_p99 <= slo.ttft_p99 and again.tpot_p99 <= slo.tpot_p99
+
+
+def test_saturation_throughput_grows_with_seats_until_the_roofline():
+    planner = Planner(MODEL, GPU, requests, SLO(2, 0.1), num_requests=100)
+    mu = {s: planner.saturation(Candidate(EngineConfig(max_model_len=2048, max_num_seqs=s),
+                                          1)).mu for s in (8, 32, 128)}
+    assert mu[8] < mu[32] < mu[128]
+    assert mu[32] < 4 * mu[8]  # bigger batches read the same weights: sublinear, not more
+
+
+def test_parse_duration():
+    assert parse_duration("2s") == 2.0
+    assert parse_duration("100ms") == pytest.approx(0.1)
+    assert parse_duration("0.5") == 0.5
+    assert parse_duration("250us") == pytest.approx(250e-6)
+    for bad in ("fast", "-1s", "0ms", "2 min"):
+        with pytest.raises(Exception, match="duration|> 0"):
+            parse_duration(bad)
+
+
+def test_vllm_command_uses_vllms_flag_names():
+    cand = Candidate(EngineConfig(max_num_seqs=128, max_num_batched_tokens=4096, block_size=32,
+                                  gpu_memory_utilization=0.95, enable_prefix_caching=False), 2)
+    line = vllm_command(MODEL, cand, 8192, "bfloat16")
+    assert line.startswith("vllm serve meta-llama/Meta-Llama-3-8B-Instruct ")
+    for flag in ("--tensor-parallel-size 2", "--max-num-seqs 128",
+                 "--max-num-batched-tokens 4096", "--block-size 32",
+                 "--gpu-memory-utilization 0.95", "--no-enable-prefix-caching",
+                 "--max-model-len 8192", "--dtype bfloat16"):
+        assert flag in line
