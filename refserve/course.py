@@ -25,7 +25,6 @@ at the BEGIN line's indentation; the marker lines stay, so the student sees wher
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import sys
@@ -176,8 +175,10 @@ def _exercise_sheet(chosen: list[Region], dest: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m refserve.course",
-                                     description="Student copies of refserve for the course.")
+    from refserve.entrypoints.cli_common import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m refserve.course",
+                            description="Student copies of refserve for the course.")
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-student", help="write a copy with exercise regions blanked")
     make.add_argument("dir", type=Path, help="where to write the copy (new or empty folder)")

@@ -11,22 +11,23 @@ Any OpenAI client works unchanged:
     client.chat.completions.create(model="SmolLM2-135M-Instruct", stream=True,
                                    messages=[{"role": "user", "content": "Hi"}])
 
-Engine flags are those of `refserve.generate` (vLLM's names). The server listens on
+Engine flags are those of `refserve.generate` (vLLM's names): both take them from
+refserve/entrypoints/engine_args.py. The server listens on
 127.0.0.1 unless --host says otherwise. See refserve/entrypoints/ for the pieces.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from refserve.entrypoints.cli_common import ArgumentParser
 from refserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refserve.serve",
-                                description="An OpenAI-compatible server around refserve's "
-                                "engine (continuous batching over a paged KV cache).")
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m refserve.serve",
+                       description="An OpenAI-compatible server around refserve's engine "
+                       "(continuous batching over a paged KV cache).")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                    "loopback only; 0.0.0.0 exposes the server to the network)")
@@ -61,13 +62,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from refserve.engine import LLMEngine
     from refserve.entrypoints.async_engine import AsyncEngine
+    from refserve.models.hub import hub_id_of
 
     try:
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = args.served_model_name or engine.model_path.name
+    # vLLM serves a hub id under that id; a folder under its own name.
+    name = args.served_model_name or hub_id_of(engine.model_path) or engine.model_path.name
     server = AsyncEngine(engine, max_waiting=args.max_waiting)
     server.start()
     print(f"refserve: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr,
