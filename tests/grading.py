@@ -109,6 +109,7 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_default_model.py", None, ("model_loading",)),
     ("test_default_model_fetch.py", None, ("model_loading",)),
     ("test_loader_errors.py", None, ("model_loading",)),
+    ("test_hub_ids.py", None, ("model_loading",)),
     ("test_scheduler.py", r"chunked_prefill", ("scheduler", "chunked_prefill")),
     ("test_scheduler.py", r"preempt", ("scheduler", "preemption")),
     ("test_scheduler.py", None, ("scheduler",)),
