@@ -163,6 +163,7 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_step*.py", None, ("engine",)),
     ("test_no_host_sync.py", None, ("backend",)),
     ("test_module_structure.py", None, ("course",)),
+    ("test_dependencies.py", None, ("course",)),
     ("test_metrics*.py", None, ("engine",)),
 ]
 
