@@ -137,7 +137,10 @@ def make_student(dest: Path, only: list[str] | None = None, solutions: bool = Fa
     chosen = [] if solutions else [r for r in regions if only is None or r.name in only]
 
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
-    dest.mkdir(parents=True, exist_ok=True)
+    try:  # before any copying: a folder that cannot be made is one clear error
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{dest}: cannot create it ({e.strerror})") from None
     shutil.copytree(PACKAGE_DIR, dest / PACKAGE_DIR.name, ignore=ignore)
     for extra in ("tests", "notebooks"):
         if (SOURCE_ROOT / extra).is_dir():

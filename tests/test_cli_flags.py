@@ -231,3 +231,9 @@ def test_prompt_file_rules():
     lines = [(i, "text") for i in range(1, 9)] + [(9, "{}")]
     with pytest.raises(PromptFileError, match="1, 2, 3, 4, 5 and 3 more are not"):
         is_jsonl("p.txt", lines)
+
+
+def test_course_refuses_a_destination_it_cannot_create(tmp_path):
+    (tmp_path / "file").write_text("x")
+    r = run("refserve.course", "make-student", str(tmp_path / "file" / "copy"))
+    assert_user_error(r, "cannot create it")
