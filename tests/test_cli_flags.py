@@ -237,3 +237,15 @@ def test_course_refuses_a_destination_it_cannot_create(tmp_path):
     (tmp_path / "file").write_text("x")
     r = run("refserve.course", "make-student", str(tmp_path / "file" / "copy"))
     assert_user_error(r, "cannot create it")
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run(tmp_path):
+    # A matplotlib that cannot be imported, first on the path: as on a machine without it.
+    (tmp_path / "fake" / "matplotlib").mkdir(parents=True)
+    (tmp_path / "fake" / "matplotlib" / "__init__.py").write_text(
+        "raise ImportError('No module named matplotlib')\n")
+    path = os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")])
+    r = run("refserve.bench", "batching", "--quick", "--plot", str(tmp_path / "p.png"),
+            env={"PYTHONPATH": path})
+    assert_user_error(r, "--plot needs matplotlib")
+    assert "machine:" not in r.stdout
