@@ -19,10 +19,8 @@ SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capaci
              "roofline", "loadtest")
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
+class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """The scenario docstrings keep their layout; each default is shown once."""
-
-    _get_help_string = HelpFormatter._get_help_string
 
 
 def build_parser() -> ArgumentParser:
