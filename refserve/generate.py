@@ -151,7 +151,7 @@ def report(args, outputs, summary, streamed: bool) -> None:
 
 def run(args) -> int:
     if args.json is not None:
-        check_output_path("--json", args.json)
+        check_output_path(args.json, "--json")
     prompts, params = build_requests(args)
     try:
         config = engine_config_from_args(args)

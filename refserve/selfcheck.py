@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     args = parser.parse_args(argv)
     try:
-        check_output_path("--json", args.json)
+        check_output_path(args.json, "--json")
     except CLIError as e:
         parser.error(str(e))
 

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before the run, which may take minutes: its results must have somewhere to go
         for flag in ("json", "plot"):
             if getattr(args, flag) is not None:
-                check_output_path(f"--{flag}", getattr(args, flag))
+                check_output_path(getattr(args, flag), f"--{flag}")
     except CLIError as e:
         args.parser.error(str(e))
     if args.plot is not None:

@@ -53,8 +53,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
-def check_output_path(flag: str, path: Path) -> None:
-    """`path` can be written: checked before the work whose result it will hold.
+def check_output_path(path: Path, flag: str = "--json") -> None:
+    """`path` (given with `flag`) can be written: checked before the work whose result it
+    will hold.
 
     Raises CLIError naming the flag: the path is a folder, its folder does not exist, or it
     cannot be written there.
