@@ -148,7 +148,10 @@ def test_ctrl_c_prints_what_finished_and_the_summary(tiny, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "refserve.generate", "--model", str(tiny), "--file",
          str(requests), "--max-tokens", "100", "--ignore-eos", "--max-num-seqs", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # A job started in the background (`cmd &` in a script) inherits SIGINT ignored,
+        # and Python then keeps ignoring it: give the child the default, as a terminal does.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # The event: the progress bar counts a first finished request ("1/2000" or more),
         # not a wall-clock window that a loaded machine may not fill.
