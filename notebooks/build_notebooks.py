@@ -56,7 +56,7 @@ def render(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--check", action="store_true",
                         help="do not write; exit 1 if a notebook is missing or differs")
     parser.add_argument("names", nargs="*", choices=[[], *NOTEBOOKS], metavar="NAME",

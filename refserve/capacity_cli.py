@@ -23,13 +23,8 @@ from refserve.capacity import (
     format_bytes,
     load_model_config,
     model_dtype,
-    parse_memory,
 )
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+from refserve.entrypoints.cli_common import ArgumentParser, memory_size
 
 
 def _positive_int(text: str) -> int:
@@ -42,13 +37,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _memory(text: str) -> int:
-    try:
-        return parse_memory(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def _utilization(text: str) -> float:
     try:
         value = float(text)
@@ -59,20 +47,25 @@ def _utilization(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(
-        prog="python -m refserve.capacity", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="python -m refserve.capacity",
         description="How much KV cache fits, and how many sequences it serves.")
     parser.add_argument("--model", required=True,
                         help=f"folder with config.json, or a preset: {', '.join(PRESETS)}")
-    parser.add_argument("--memory", required=True, type=_memory,
-                        help="device memory, e.g. 80GiB, 24GB, 512MiB")
+    parser.add_argument("--memory", required=True, type=memory_size(require_unit=True),
+                        help="device memory with its unit, e.g. 80GiB, 24GB, 512MiB")
     parser.add_argument("--context", required=True, type=_positive_int,
                         help="tokens per sequence (prompt + output)")
     parser.add_argument("--block-size", type=_positive_int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
                         help="dtype of weights and KV cache (default: the model's own)")
     parser.add_argument("--gpu-memory-utilization", type=_utilization, default=0.9)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     try:

@@ -25,7 +25,6 @@ at the BEGIN line's indentation; the marker lines stay, so the student sees wher
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import sys
@@ -139,7 +138,10 @@ def make_student(dest: Path, only: list[str] | None = None, solutions: bool = Fa
     chosen = [] if solutions else [r for r in regions if only is None or r.name in only]
 
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
-    dest.mkdir(parents=True, exist_ok=True)
+    try:  # before any copying: a folder that cannot be made is one clear error
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{dest}: cannot create it ({e.strerror})") from None
     shutil.copytree(PACKAGE_DIR, dest / PACKAGE_DIR.name, ignore=ignore)
     for extra in ("tests", "notebooks"):
         if (SOURCE_ROOT / extra).is_dir():
@@ -177,8 +179,10 @@ def _exercise_sheet(chosen: list[Region], dest: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m refserve.course",
-                                     description="Student copies of refserve for the course.")
+    from refserve.entrypoints.cli_common import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m refserve.course",
+                            description="Student copies of refserve for the course.")
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-student", help="write a copy with exercise regions blanked")
     make.add_argument("dir", type=Path, help="where to write the copy (new or empty folder)")

@@ -21,52 +21,29 @@ never a traceback; Ctrl-C prints the outputs finished so far and the summary, ex
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from refserve.capacity import parse_memory
-from refserve.config import BACKENDS, BATCHING, DTYPES, KV_CACHE_LAYOUTS, EngineConfig
+from refserve.entrypoints.cli_common import (
+    EXIT_USAGE,
+    ArgumentParser,
+    CLIError,
+    check_output_path,
+)
+from refserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from refserve.prompt_files import PromptFileError, read_prompts
 from refserve.sampling import SamplingParams
 
-EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+EXIT_INTERRUPTED = 130
+# The command line asks for more tokens than the API: SamplingParams' default (16, vLLM's,
+# after OpenAI's completions API) cuts a one-sentence answer in the middle.
+CLI_MAX_TOKENS = 128
 
 
-class CLIError(Exception):
-    """A user's mistake: printed as one `error: ...` line, exit status 2."""
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one `error: ...` line (the usage is in --help)."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
-
-
-class DeprecatedAlias(argparse.Action):
-    """An old flag spelling: stores into the new flag's dest and says so."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        new = "--" + self.dest.replace("_", "-")
-        print(f"warning: {option_string} is deprecated; use {new} (vLLM's name)",
-              file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def _memory(text: str) -> int:
-    try:
-        return parse_memory(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="python -m refserve.generate",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Generate text with refserve (continuous batching over a paged KV cache). "
         "Option groups say which names are vLLM's (same flag, same meaning) and which are "
         "refserve's own.")
@@ -82,55 +59,31 @@ def build_parser() -> argparse.ArgumentParser:
                     "(the folder is checked before generating)")
     io.add_argument("--quiet", action="store_true", help="print only the generated text")
 
-    e = p.add_argument_group("engine: vLLM's names and meanings")
-    e.add_argument("--model", default=None, help="HF-format folder (default: the embedded "
-                   "SmolLM2-135M-Instruct, fetched and converted on first use)")
-    e.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights and KV cache; auto: float32 on NumPy")
-    e.add_argument("--seed", type=int, default=0, help="engine-level seed: requests without "
-                   "their own seed draw from it")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="force the KV pool size in blocks")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of the device's TOTAL memory for weights + activations + KV")
-    e.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's)")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True)
-    e.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
-                   '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
-                   '"num_speculative_tokens": 4, "model": "self", "num_draft_layers": 8}\'')
-
-    r = p.add_argument_group("engine: refserve's own")
-    r.add_argument("--backend", default="auto", choices=BACKENDS)
-    r.add_argument("--kv-cache-memory-bytes", type=_memory, default=2 * 1024**3,
-                   help="host memory for the KV pool on the NumPy backend, e.g. 2GiB")
-    r.add_argument("--batching", default="continuous", choices=BATCHING)
-    r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS)
-    r.add_argument("--num-gpu-blocks", dest="num_gpu_blocks_override", type=int,
-                   action=DeprecatedAlias, help="deprecated: --num-gpu-blocks-override")
-    r.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_memory,
-                   action=DeprecatedAlias, help="deprecated: --kv-cache-memory-bytes")
+    add_engine_args(p)
 
     s = p.add_argument_group("sampling: vLLM's SamplingParams names (per request in JSONL)")
-    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--max-tokens", type=int, default=CLI_MAX_TOKENS,
+                   help=f"output tokens per request (default: {CLI_MAX_TOKENS} here; the "
+                   f"Python API's SamplingParams default is {SamplingParams().max_tokens}, as "
+                   "in vLLM, which cuts a one-sentence answer short)")
     s.add_argument("--min-tokens", type=int, default=0, help="no EOS / stop before this many")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
-    s.add_argument("--presence-penalty", type=float, default=0.0)
-    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set of "
+                   "tokens whose probability reaches top_p; 1 = off")
+    s.add_argument("--top-k", type=int, default=0, help="the k most likely tokens; 0 or -1: off")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p times "
+                   "the top probability; 0 = off")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide (or multiply, if negative) logits of tokens already seen; 1 = off")
+    s.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from the logit of every token already output; 0 = off")
+    s.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract per occurrence in the output so far; 0 = off")
     s.add_argument("--n", type=int, default=1, help="samples per prompt (copy-on-write)")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    s.add_argument("--include-stop-str-in-output", action="store_true")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the stop string at the end of the text")
+    s.add_argument("--ignore-eos", action="store_true", help="go on past the EOS token")
     s.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token "
                    "(in --json)")
     return p
@@ -139,32 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
 SAMPLING_FLAGS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                   "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
                   "include_stop_str_in_output", "ignore_eos", "logprobs")
-ENGINE_FLAGS = ("model", "backend", "dtype", "seed", "block_size", "num_gpu_blocks_override",
-                "gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len",
-                "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                "enforce_eager", "batching", "kv_cache_layout", "speculative_config")
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
-    return value
-
-
-def check_json_path(path: Path, flag: str = "--json") -> None:
-    """An output file (--json, ...) must be writable: checked before the model loads, not
-    after the run."""
-    if path.is_dir():
-        raise CLIError(f"{flag} {path}: is a folder; give a file path")
-    folder = path.parent
-    if not folder.is_dir():
-        raise CLIError(f"{flag} {path}: folder {folder} does not exist; create it first")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise CLIError(f"{flag} {path}: cannot write there (permission denied)")
 
 
 def build_requests(args) -> tuple[list, list[SamplingParams]]:
@@ -224,10 +151,10 @@ def report(args, outputs, summary, streamed: bool) -> None:
 
 def run(args) -> int:
     if args.json is not None:
-        check_json_path(args.json)
+        check_output_path(args.json, "--json")
     prompts, params = build_requests(args)
     try:
-        config = EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS if hasattr(args, k)})
+        config = engine_config_from_args(args)
     except (ValueError, NotImplementedError) as e:
         raise CLIError(str(e)) from None
 

@@ -26,7 +26,7 @@ import sys
 import time
 
 from refserve.bench.common import print_table
-from refserve.generate import CLIError, OneLineErrorParser
+from refserve.entrypoints.cli_common import ArgumentParser, CLIError, RawDescriptionHelpFormatter
 from refserve.simulate import (
     add_engine_args,
     add_hardware_args,
@@ -78,8 +78,8 @@ _on_off.__name__ = "on/off value"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="python -m refserve.plan", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m refserve.plan", description=__doc__,
+                       formatter_class=RawDescriptionHelpFormatter)
     add_hardware_args(p)
     s = p.add_argument_group("contract")
     s.add_argument("--slo-ttft-p99", type=parse_duration, required=True, metavar="DURATION")

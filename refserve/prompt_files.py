@@ -8,7 +8,12 @@
     (piped stdin)         the whole of stdin is ONE prompt (it may span lines)
 
 A file is JSONL when its name ends in .jsonl, or when every non-blank line is a JSON
-object; so a plain-text prompt that happens to start with "{" is still plain text.
+object; a plain-text prompt that merely starts with "{" (not valid JSON) is still plain
+text. A file that mixes the two (some lines JSON objects, others not) is refused with the
+line numbers of each kind: read as plain text, the JSON lines would become literal prompts
+and their SamplingParams would be silently ignored.
+
+Prompts are checked here, before any model loads: an empty prompt is refused at once.
 Every problem is a `PromptFileError` (a ValueError) naming the file, the line and the fix.
 """
 
@@ -62,10 +67,26 @@ def _json_object(line: str):
     return value if isinstance(value, dict) else None
 
 
-def is_jsonl(path: str, lines: list[str]) -> bool:
-    """JSONL by name (.jsonl), or because every non-blank line is a JSON object."""
-    return path.endswith(".jsonl") or bool(lines) and all(
-        _json_object(ln) is not None for ln in lines)
+def _line_list(numbers: list[int], most: int = 5) -> str:
+    shown = ", ".join(map(str, numbers[:most]))
+    return shown + (f" and {len(numbers) - most} more" if len(numbers) > most else "")
+
+
+def is_jsonl(path: str, numbered: list[tuple[int, str]]) -> bool:
+    """JSONL by name (.jsonl), or because every non-blank line is a JSON object; plain text
+    when none is. A mix raises PromptFileError with the line numbers of both kinds."""
+    if path.endswith(".jsonl"):
+        return True
+    json_lines = [i for i, ln in numbered if _json_object(ln) is not None]
+    if not json_lines:
+        return False
+    if len(json_lines) == len(numbered):
+        return True
+    text_lines = [i for i, ln in numbered if _json_object(ln) is None]
+    raise PromptFileError(
+        f"--file {path}: mixes JSON and plain text: line(s) {_line_list(json_lines)} are JSON "
+        f"objects, line(s) {_line_list(text_lines)} are not; write every line as "
+        '{"prompt": "..."} (JSONL), or every line as plain text')
 
 
 def parse_jsonl_line(path: str, number: int, line: str) -> PromptSpec:
@@ -80,6 +101,8 @@ def parse_jsonl_line(path: str, number: int, line: str) -> PromptSpec:
     prompt = obj.pop("prompt") if has_text else obj.pop("prompt_token_ids")
     if has_text and not isinstance(prompt, str):
         raise PromptFileError(f"{where}: 'prompt' must be a string")
+    if has_text and not prompt:
+        raise PromptFileError(f"{where}: 'prompt' is empty")
     if has_ids and not (isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         raise PromptFileError(f"{where}: 'prompt_token_ids' must be a non-empty list of "
@@ -98,7 +121,7 @@ def read_prompt_file(path: str) -> list[PromptSpec]:
     numbered = [(i, ln) for i, ln in enumerate(text.splitlines(), 1) if ln.strip()]
     if not numbered:
         raise PromptFileError(f"--file {path}: no prompts in it")
-    if is_jsonl(path, [ln for _, ln in numbered]):
+    if is_jsonl(path, numbered):
         return [parse_jsonl_line(path, i, ln) for i, ln in numbered]
     return [PromptSpec(ln) for _, ln in numbered]
 
@@ -108,6 +131,10 @@ def read_prompts(prompts: list[str], file: str | None, stdin=None) -> list[Promp
     if prompts and file is not None:
         raise PromptFileError("give prompts as arguments or with --file, not both")
     if prompts:
+        empty = [i for i, p in enumerate(prompts, 1) if not p]
+        if empty:
+            raise PromptFileError(f"prompt argument {_line_list(empty)} is empty; give some "
+                                  "text (a model needs at least one prompt token)")
         return [PromptSpec(p) for p in prompts]
     if file is not None:
         return read_prompt_file(file)

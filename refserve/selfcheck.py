@@ -27,7 +27,6 @@ Attention K/V hold a constant: the kernels' time does not depend on the values.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import subprocess
@@ -290,12 +289,19 @@ def table(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m refserve.selfcheck",
-                                     description=__doc__.split("\n")[0])
+    from refserve.entrypoints.cli_common import ArgumentParser, CLIError, check_output_path
+
+    parser = ArgumentParser(prog="python -m refserve.selfcheck",
+                            description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=["cupy"], default="cupy")
-    parser.add_argument("--json", default="selfcheck.json", help="where to write the results")
+    parser.add_argument("--json", type=Path, default=Path("selfcheck.json"),
+                        help="where to write the results (checked before the run)")
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     args = parser.parse_args(argv)
+    try:
+        check_output_path(args.json, "--json")
+    except CLIError as e:
+        parser.error(str(e))
 
     from refserve.backends import _gpu_unavailable_reason, get_backend
 

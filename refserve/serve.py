@@ -11,8 +11,9 @@ Any OpenAI client works unchanged:
     client.chat.completions.create(model="SmolLM2-135M-Instruct", stream=True,
                                    messages=[{"role": "user", "content": "Hi"}])
 
-MODEL (as in `vllm serve MODEL`) or --model names the HF-format folder. Engine flags are
-those of `refserve.generate` (vLLM's names); the server's own are in the "server" group of
+MODEL (as in `vllm serve MODEL`) or --model names the HF-format folder or a hub id. Engine
+flags are those of `refserve.generate` (vLLM's names): both take them from
+refserve/entrypoints/engine_args.py; the server's own are in the "server" group of
 --help (refserve/entrypoints/options.py says what each limit is for). The server listens on
 127.0.0.1 unless --host says otherwise, and then answers only loopback Host names (DNS
 rebinding). SIGTERM / SIGINT drain it: no new requests, the running ones get up to
@@ -27,18 +28,20 @@ import signal
 import sys
 import threading
 
+from refserve.entrypoints.cli_common import ArgumentParser
 from refserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from refserve.entrypoints.options import MiB, ServerOptions
 
 API_KEY_VARIABLES = ("REFSERVE_API_KEY", "VLLM_API_KEY")  # vLLM users have the second set
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refserve.serve", allow_abbrev=False,
-                                description="An OpenAI-compatible server around refserve's "
-                                "engine (continuous batching over a paged KV cache).")
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m refserve.serve",
+                       description="An OpenAI-compatible server around refserve's engine "
+                       "(continuous batching over a paged KV cache).")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF-format model folder, as in `vllm serve MODEL` (same as --model)")
+                   help="HF-format model folder or hub id, as in `vllm serve MODEL` (same as "
+                   "--model)")
     d = ServerOptions()
     s = p.add_argument_group("server")
     s.add_argument("--host", default=d.host, help="address to listen on (default: "
@@ -132,13 +135,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from refserve.engine import LLMEngine
     from refserve.entrypoints.async_engine import AsyncEngine
+    from refserve.models.hub import hub_id_of
 
     try:
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = args.served_model_name or engine.model_path.name
+    # vLLM serves a hub id under that id; a folder under its own name.
+    name = args.served_model_name or hub_id_of(engine.model_path) or engine.model_path.name
     server = AsyncEngine(engine, max_waiting=args.max_waiting)
     server.start()
     http = HTTPServer(build_app(server, name, options), sock, options, server,

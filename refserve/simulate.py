@@ -24,7 +24,13 @@ from pathlib import Path
 
 from refserve.bench.common import print_table
 from refserve.config import BATCHING, DTYPES, KV_CACHE_LAYOUTS, EngineConfig
-from refserve.generate import EXIT_USAGE, CLIError, OneLineErrorParser, check_json_path
+from refserve.entrypoints.cli_common import (
+    EXIT_USAGE,
+    ArgumentParser,
+    CLIError,
+    RawDescriptionHelpFormatter,
+    check_output_path,
+)
 from refserve.simulator.report import downsample, latency_table, plot, usd_per_million
 
 DEFAULT_OUT = {"json": "simulate.json", "plot": "simulate.png", "trace": "simulate.trace.json"}
@@ -173,12 +179,12 @@ def check_out_paths(args) -> None:
     for name in ("json", "plot", "trace"):
         path = getattr(args, name, None)
         if path is not None:
-            check_json_path(path, f"--{name}")
+            check_output_path(path, f"--{name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="python -m refserve.simulate", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m refserve.simulate", description=__doc__,
+                       formatter_class=RawDescriptionHelpFormatter)
     add_hardware_args(p)
     w = p.add_argument_group("load")
     w.add_argument("--rate", type=_positive_float, default=8.0,

@@ -4,9 +4,10 @@
 import numpy as np
 import pytest
 
-# The grader: mechanism markers for every test (`pytest -m scheduler`), and `pytest --grade`.
-# The test-module -> mechanism map lives in tests/grading.py (RULES).
-pytest_plugins = ["grading"]
+# The grader (mechanism markers for every test, `pytest -m scheduler`, `pytest --grade`,
+# `--impl DIR`) is tests/grading.py, loaded before collection by `-p grading` in
+# pyproject.toml's addopts: a conftest would register its options too late for
+# `pytest --impl DIR` (with a space). The test-module -> mechanism map is its RULES.
 
 
 @pytest.fixture(scope="session")

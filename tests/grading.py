@@ -1,6 +1,8 @@
 """The course's grader: every test carries a mechanism marker; `pytest --grade` scores each one.
 
-Loaded from tests/conftest.py (`pytest_plugins = ["grading"]`). Three jobs:
+Loaded before collection by `-p grading` in pyproject.toml's pytest addopts (with tests/ on
+pytest's pythonpath), so its options exist before pytest reads the command line's paths.
+Its jobs:
 
 1. Mark. Each collected test gets the markers of the first rule in `RULES` whose module
    pattern and test-name pattern both match (a rule may name several mechanisms). A test
@@ -21,13 +23,25 @@ Loaded from tests/conftest.py (`pytest_plugins = ["grading"]`). Three jobs:
    a mechanism whose only non-passing tests are blocked reads "blocked: no GPU".
 
 `grade.json` (path: `--grade-json`, default ./grade.json) holds the same numbers plus the
-node ids of failed and blocked tests, for CI or a course dashboard.
+node ids of failed and blocked tests, for CI or a course dashboard. A run with a collection
+error (or interrupted) is not graded: the error is printed, the exit status is non-zero, and
+neither a table nor grade.json is written (a grade.json left by an earlier run is removed).
+
+Not done yet. A failure whose report shows an exercise stub's NotImplementedError
+("exercise <name>: <hint>", what `make-student` leaves in each region) fails only because
+that exercise is not written yet; a row whose failures are all of that kind says so and names
+the exercises ("FAIL: not done yet: append_rule"), so an untouched student copy reads as a
+to-do list, not as broken code. The notebooks' row (course) too.
 
 4. Grade a student copy. `--impl DIR` (or the environment variable REFSERVE_IMPL=DIR) runs
    these same tests against the `refserve` package in DIR, a copy written by
    `python -m refserve.course make-student DIR`: DIR goes first on sys.path (and on
    PYTHONPATH, for the tests' subprocesses) before anything imports refserve, and the run
    stops with a usage error unless the refserve it then imports is DIR's.
+   `--impl DIR` with a space: pytest picks its rootdir (and so its configuration) from the
+   command line's paths before any plugin can define an option, and takes DIR for a test
+   path. So the plugin restarts the same command once with `--impl=DIR`, which pytest
+   reads as one option (`restart_with_joined_impl`).
 """
 
 from __future__ import annotations
@@ -111,6 +125,7 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_default_model.py", None, ("model_loading",)),
     ("test_default_model_fetch.py", None, ("model_loading",)),
     ("test_loader_errors.py", None, ("model_loading",)),
+    ("test_hub_ids.py", None, ("model_loading",)),
     ("test_scheduler.py", r"chunked_prefill", ("scheduler", "chunked_prefill")),
     ("test_scheduler.py", r"preempt", ("scheduler", "preemption")),
     ("test_scheduler.py", None, ("scheduler",)),
@@ -154,6 +169,7 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_no_host_sync.py", None, ("backend",)),
     ("test_module_structure.py", None, ("course",)),
     ("test_lifecycle_owners.py", None, ("scheduler",)),
+    ("test_dependencies.py", None, ("course",)),
     ("test_metrics*.py", None, ("engine",)),
 ]
 
@@ -162,6 +178,10 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
 # missing CUDA toolkit ("nvcc (CUDA toolkit) is not installed").
 _BLOCKED_REASONS = re.compile(
     r"^no gpu|could not import 'cupy|\b(nvcc|cuda)\b.*\bnot (installed|available|found)")
+# An exercise stub's NotImplementedError in a failure report (the raise line or its message,
+# or a command line's `error: exercise NAME: ...`), and the terminal's colour codes around it.
+_EXERCISE_STUB = re.compile(r"(?:NotImplementedError\W{1,4}|error: )exercise ([a-z][a-z0-9_]*)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 @functools.cache
 def _gpu_present() -> bool:
@@ -184,6 +204,11 @@ def mechanisms_for(module: str, name: str) -> tuple[str, ...]:
             return markers
     stem = module.removeprefix("test_").removesuffix(".py")
     return tuple(m for m in MECHANISMS if stem == m or stem.startswith(m + "_"))
+
+
+def exercises_not_done(report_text: str) -> set[str]:
+    """The exercises whose stub (NotImplementedError "exercise NAME: ...") a failure shows."""
+    return set(_EXERCISE_STUB.findall(_ANSI.sub("", report_text)))
 
 
 def is_blocked(reason: str) -> bool:
@@ -230,6 +255,57 @@ def use_implementation(impl: str) -> Path:
     return package
 
 
+def join_impl_args(args: list[str]) -> list[str]:
+    """['--impl', 'DIR', ...] -> ['--impl=DIR', ...]: the form pytest cannot misread."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] == "--impl" and i + 1 < len(args):
+            out.append(f"--impl={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    restart_with_joined_impl(early_config)
+
+
+def restart_with_joined_impl(config) -> None:
+    """`--impl DIR` with a space: run the same command again as `--impl=DIR` (see the
+    module docstring, job 4), before any conftest or test is loaded from the wrong root."""
+    given = list(config.invocation_params.args)
+    joined = join_impl_args(given)
+    if joined == given:
+        return
+    if sys.argv[1:] != given:  # pytest.main() inside another program: cannot restart it
+        raise pytest.UsageError("write --impl=DIR (with '='): pytest reads the DIR of "
+                                "'--impl DIR' as a test path before this option exists")
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:  # give the terminal back: it is redirected while this runs
+        capture.stop_global_capturing()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "pytest", *joined])
+
+
+def check_grade_json(config) -> Path:
+    """--grade-json is writable: checked before the tests run, not after."""
+    path = Path(config.invocation_params.dir) / config.getoption("grade_json")
+    if path.is_dir():
+        raise pytest.UsageError(f"--grade-json {path}: is a folder; give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise pytest.UsageError(f"--grade-json {path}: cannot create its folder "
+                                f"({e.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise pytest.UsageError(f"--grade-json {path}: cannot write there (permission denied)")
+    return path
+
+
 def pytest_configure(config):
     impl = config.getoption("impl", None)
     if impl:
@@ -241,7 +317,8 @@ def pytest_configure(config):
         if name not in registered:
             config.addinivalue_line("markers", f"{name}: {invariant}")
     if config.getoption("grade", False):
-        config.pluginmanager.register(Grader(config), "refserve-grader")
+        config.pluginmanager.register(Grader(config, check_grade_json(config)),
+                                      "refserve-grader")
 
 
 def pytest_report_header(config):
@@ -269,8 +346,18 @@ class Row:
     failed: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     blocked: list[str] = field(default_factory=list)
+    # Failed tests that fail only on an exercise stub, and those exercises (see "Not done").
+    not_done: dict[str, set[str]] = field(default_factory=dict)
+
+    def exercises_not_done(self) -> list[str]:
+        return sorted(set().union(*self.not_done.values())) if self.not_done else []
+
+    def only_not_done(self) -> bool:
+        return bool(self.failed) and all(t in self.not_done for t in self.failed)
 
     def status(self) -> str:
+        if self.only_not_done():
+            return "FAIL: not done yet: " + ", ".join(self.exercises_not_done())
         if self.failed:
             return "FAIL"
         if self.blocked and not self.passed:
@@ -288,19 +375,29 @@ class Row:
                 "skipped": len(self.skipped), "blocked": len(self.blocked),
                 "total": sum(map(len, (self.passed, self.failed, self.skipped, self.blocked))),
                 "score": self.score(), "status": self.status(),
-                "failed_tests": list(self.failed), "blocked_tests": list(self.blocked)}
+                "failed_tests": list(self.failed), "blocked_tests": list(self.blocked),
+                "not_done_tests": [t for t in self.failed if t in self.not_done],
+                "exercises_not_done": self.exercises_not_done()}
 
 
 class Grader:
     """Collects one outcome per test, then scores each mechanism."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, json_path: Path) -> None:
         self.config = config
+        self.json_path = json_path
         self.markers: dict[str, tuple[str, ...]] = {}
         self.outcome: dict[str, str] = {}        # nodeid -> passed/failed/skipped/blocked
+        self.not_done: dict[str, set[str]] = {}  # failed nodeid -> exercises it shows
+        self.collection_errors: list[str] = []
+        self.graded = False
         self.started = time.time()
         self.rows: dict[str, Row] = {}
         self.total = Row()
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.collection_errors.append(report.nodeid or "(the command line)")
 
     def pytest_collection_finish(self, session):
         for item in session.items:
@@ -310,6 +407,9 @@ class Grader:
     def pytest_runtest_logreport(self, report):
         if report.failed:
             self.outcome[report.nodeid] = "failed"
+            stubs = exercises_not_done(report.longreprtext)
+            if stubs:
+                self.not_done.setdefault(report.nodeid, set()).update(stubs)
         elif report.skipped and self.outcome.get(report.nodeid) != "failed":
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
             if hasattr(report, "wasxfail"):
@@ -320,12 +420,25 @@ class Grader:
             self.outcome.setdefault(report.nodeid, "passed")
 
     def pytest_sessionfinish(self, session, exitstatus):
+        if self.collection_errors or exitstatus in (
+                pytest.ExitCode.INTERRUPTED, pytest.ExitCode.INTERNAL_ERROR,
+                pytest.ExitCode.USAGE_ERROR):
+            # Some tests never ran: a grade would be a lie. An older grade.json would be
+            # read as this run's, so it goes too.
+            if self.json_path.is_file():
+                self.json_path.unlink()
+            return
+        self.graded = True
         self.rows = {name: Row() for name in MECHANISMS}
         self.rows["unmapped"] = Row()
         for nodeid, outcome in self.outcome.items():
             getattr(self.total, outcome).append(nodeid)
             for name in self.markers.get(nodeid) or ("unmapped",):
                 getattr(self.rows[name], outcome).append(nodeid)
+        for nodeid, stubs in self.not_done.items():
+            for row in (self.total, *(self.rows[n] for n in
+                                      self.markers.get(nodeid) or ("unmapped",))):
+                row.not_done[nodeid] = stubs
         report = {
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "duration_s": round(time.time() - self.started, 2),
@@ -338,13 +451,18 @@ class Grader:
                                   **row.to_dict()} for name, row in self.rows.items()},
             "total": self.total.to_dict(),
         }
-        path = Path(self.config.invocation_params.dir) / self.config.getoption("grade_json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        self.json_path = path
+        self.json_path.parent.mkdir(parents=True, exist_ok=True)
+        self.json_path.write_text(json.dumps(report, indent=2) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter):
         tr = terminalreporter
+        if not self.graded:
+            why = (f"{len(self.collection_errors)} collection error(s), shown above"
+                   if self.collection_errors else "the run did not finish")
+            tr.section("grade: not graded", red=True)
+            tr.write_line(f"not graded: {why}; some tests never ran. Fix it and run again "
+                          "(no grade table, no grade.json).", red=True)
+            return
         tr.section("grade: one row per mechanism")
         tr.write_line(f"{'mechanism':<17}{'passed':>7}{'failed':>7}{'skipped':>8}"
                       f"{'blocked':>8}  status")
@@ -356,8 +474,14 @@ class Grader:
                           f"{d['blocked']:>8}  {d['status']}",
                           red=bool(row.failed), green=row.status().startswith("pass"))
         for name, row in self.rows.items():
-            if row.failed:
+            if row.only_not_done():
+                tr.write_line(f"{name}: not done yet: exercise(s) "
+                              f"{', '.join(row.exercises_not_done())} still raise "
+                              "NotImplementedError")
+            elif row.failed:
                 tr.write_line(f"{name}: invariant broken: {MECHANISMS.get(name, 'unmapped')}")
-                for nodeid in row.failed:
-                    tr.write_line(f"    {nodeid}")
+            for nodeid in row.failed:
+                stubs = row.not_done.get(nodeid)
+                tr.write_line(f"    {nodeid}" + (f"  (not done yet: {', '.join(sorted(stubs))})"
+                                                 if stubs else ""))
         tr.write_line(f"wrote {self.json_path}")

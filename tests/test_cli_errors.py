@@ -5,10 +5,11 @@ tiny random model, so what is checked is exactly what a user sees."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 from model_utils import save_tiny_hf_model
@@ -118,6 +119,28 @@ def test_prompt_the_model_cannot_take(tiny):
     assert_user_error(run(["--model", str(tiny), "hi"]), "no tokenizer")
 
 
+def read_until(stream, pattern: str, timeout: float) -> str:
+    """Read a child's stream (unbuffered bytes: tqdm rewrites its line with "\r") until
+    `pattern` matches what has been read; fail after `timeout` seconds. The timeout is a
+    guard against a hang, not the event the test waits for."""
+    seen, found = [b""], threading.Event()
+
+    def reader():
+        while not found.is_set():
+            chunk = os.read(stream.fileno(), 4096)
+            if not chunk:
+                break
+            seen[0] += chunk
+            if re.search(pattern, seen[0].decode(errors="replace")):
+                found.set()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert found.is_set(), f"no {pattern!r} within {timeout} s: {seen[0][-2000:]!r}"
+    return seen[0].decode(errors="replace")
+
+
 def test_ctrl_c_prints_what_finished_and_the_summary(tiny, tmp_path):
     requests = tmp_path / "many.jsonl"
     requests.write_text("".join(json.dumps({"prompt_token_ids": [5 + i % 50, 6, 7]}) + "\n"
@@ -125,17 +148,25 @@ def test_ctrl_c_prints_what_finished_and_the_summary(tiny, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "refserve.generate", "--model", str(tiny), "--file",
          str(requests), "--max-tokens", "100", "--ignore-eos", "--max-num-seqs", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    started = proc.stderr.readline()         # the engine's start-up line
-    assert started.startswith("refserve:"), started
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # A job started in the background (`cmd &` in a script) inherits SIGINT ignored,
+        # and Python then keeps ignoring it: give the child the default, as a terminal does.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        # The event: the progress bar counts a first finished request ("1/2000" or more),
+        # not a wall-clock window that a loaded machine may not fill.
+        early = read_until(proc.stderr, r"\b[1-9]\d*/2000\b", timeout=300)
+        assert early.startswith("refserve:"), early[:200]   # the engine's start-up line
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    out, err = out.decode(), early + err.decode()
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert "summary: " in err and "interrupted (Ctrl-C)" in err
     finished = int(err.split("interrupted (Ctrl-C): ")[1].split()[0])
-    assert finished < 2000 and len(out.splitlines()) == finished
+    assert 1 <= finished < 2000 and len(out.splitlines()) == finished
 
 
 # ----------------------------------------------------------------- the other entry points

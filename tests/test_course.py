@@ -131,6 +131,33 @@ def test_impl_option_refuses_a_folder_without_refserve(tmp_path):
     assert "is not a refserve package" in proc.stdout + proc.stderr
 
 
+def test_grading_a_student_copy_as_the_readme_writes_it(tmp_path):
+    """`pytest --impl DIR -m "not slow" --grade` with a space (issue 20 §2): the run grades
+    DIR from this checkout's root, and an untouched copy's rows say "not done yet"."""
+    dest = tmp_path / "student"
+    course.make_student(dest)
+    env = {k: v for k, v in os.environ.items() if k not in ("REFSERVE_IMPL", "PYTHONPATH")}
+    # The README's command exactly (collection only: the whole suite is minutes).
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--impl", str(dest), "-m",
+                           "not slow", "--co", "-p", "no:cacheprovider"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert f"rootdir: {ROOT}" in proc.stdout
+    assert f"refserve under test: {(dest / 'refserve').resolve()} (--impl)" in proc.stdout
+    assert "error" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]
+    # Graded on two files and a notebook: each row fails only on the exercise stubs.
+    proc, report = run_pytest(dest, ["tests/test_block_table.py",
+                                     "notebooks/01_paged_kv_cache.ipynb", "-m", "not slow"],
+                              tmp_path / "g.json")
+    assert proc.returncode == 1 and report is not None, (proc.stdout + proc.stderr)[-3000:]
+    assert report["refserve"] == str((dest / "refserve").resolve())
+    rows = report["mechanisms"]
+    assert rows["block_table"]["status"].startswith("FAIL: not done yet: ")
+    assert "append_rule" in rows["block_table"]["exercises_not_done"]
+    assert rows["course"]["status"].startswith("FAIL: not done yet: "), rows["course"]
+    assert "FAIL: not done yet" in proc.stdout
+
+
 # ---- each exercise is caught by its own mechanism, and only there -------------------------
 
 

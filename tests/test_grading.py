@@ -222,3 +222,92 @@ def test_pyproject_registers_exactly_the_graded_mechanisms():
     markers = tomllib.loads(pyproject.read_text())["tool"]["pytest"]["ini_options"]["markers"]
     names = [line.split(":")[0] for line in markers]
     assert names == ["slow", *grading.MECHANISMS]
+
+
+def test_a_collection_error_prints_it_and_grades_nothing(pytester):
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_fine="import pytest\n@pytest.mark.cow\ndef test_a(): pass\n",
+                        test_broken="def test_b(:\n    pass\n")
+    stale = pytester.path / "grade.json"
+    stale.write_text(json.dumps({"mechanisms": {}, "total": {"passed": 99}}))
+    result = pytester.runpytest("--grade")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    out = result.stdout.str()
+    assert "SyntaxError" in out and "test_broken.py" in out   # the error itself
+    assert "grade: one row per mechanism" not in out
+    assert "not graded: 1 collection error(s)" in out
+    assert not stale.exists(), "an older grade.json would be read as this run's"
+
+
+STUBS = """
+import pytest
+
+@pytest.mark.block_table
+def test_append():
+    raise NotImplementedError("exercise append_rule: blocks needed minus blocks held")
+
+@pytest.mark.block_table
+def test_append_via_a_command(tmp_path):
+    assert False, "stderr: error: exercise append_rule: blocks needed minus blocks held"
+
+@pytest.mark.scheduler
+def test_admit_stub():
+    raise NotImplementedError("exercise scheduler_admit: FCFS")
+
+@pytest.mark.scheduler
+def test_admit_wrong():
+    assert 1 == 2, "admitted out of order"
+
+@pytest.mark.allocator
+def test_not_implemented_elsewhere():
+    raise NotImplementedError("cupy backend: no GPU")
+"""
+
+
+def test_rows_that_fail_only_on_exercise_stubs_say_not_done_yet(pytester):
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_stubs=STUBS)
+    result = pytester.runpytest("--grade")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert table_row(result, "block_table")[5:] == ["FAIL:", "not", "done", "yet:",
+                                                   "append_rule"]
+    assert table_row(result, "scheduler")[5:] == ["FAIL"]       # one real failure
+    assert table_row(result, "allocator")[5:] == ["FAIL"]       # not an exercise stub
+    result.stdout.fnmatch_lines([
+        "block_table: not done yet: exercise(s) append_rule still raise NotImplementedError",
+        "scheduler: invariant broken: *",
+        "*test_stubs.py::test_admit_stub  (not done yet: scheduler_admit)"])
+    report = json.loads((pytester.path / "grade.json").read_text())
+    row = report["mechanisms"]["scheduler"]
+    assert row["status"] == "FAIL" and row["exercises_not_done"] == ["scheduler_admit"]
+    assert row["not_done_tests"] == ["test_stubs.py::test_admit_stub"]
+    assert report["mechanisms"]["block_table"]["status"] == "FAIL: not done yet: append_rule"
+
+
+def test_grade_json_is_checked_before_the_tests_run(pytester):
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_one="def test_a(): pass\n")
+    (pytester.path / "adir").mkdir()
+    result = pytester.runpytest("--grade", "--grade-json", "adir")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--grade-json" in result.stderr.str() and "is a folder" in result.stderr.str()
+
+
+@pytest.mark.parametrize("args, joined", [
+    (["--impl", "/s", "-m", "not slow"], ["--impl=/s", "-m", "not slow"]),
+    (["--impl=/s", "--grade"], ["--impl=/s", "--grade"]),
+    (["-q", "--impl"], ["-q", "--impl"]),
+])
+def test_impl_with_a_space_is_joined(args, joined):
+    assert grading.join_impl_args(args) == joined
+
+
+def test_exercise_stubs_are_read_from_failure_reports():
+    assert grading.exercises_not_done(
+        "E   NotImplementedError: exercise append_rule: blocks needed") == {"append_rule"}
+    assert grading.exercises_not_done(
+        "\x1b[0;31mNotImplementedError\x1b[0m: exercise blocks_for_tokens: ceil") == \
+        {"blocks_for_tokens"}
+    assert grading.exercises_not_done("raise NotImplementedError('exercise a_b: x')") == {"a_b"}
+    assert grading.exercises_not_done("AssertionError: 3 != 4") == set()
+    assert grading.exercises_not_done("NotImplementedError: contiguous layout") == set()

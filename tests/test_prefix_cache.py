@@ -318,3 +318,44 @@ def test_hit_below_a_recached_parent_block():
     assert hit_tokens == 6 and blocks[2] == b_blocks[2]
     manager.allocate_slots(d, 1, blocks)
     manager.check_invariants()
+
+
+def hash_chain_problems(keys) -> list[str]:
+    """What is wrong with the hashes of a chain of keys (block 0 first): each must be
+    hash_block(parent's hash, its tokens), and no two may be equal (the chain repeats the
+    same tokens, so only the parent's hash tells them apart)."""
+    problems = []
+    for depth, key in enumerate(keys):
+        parent = None if depth == 0 else keys[depth - 1].value
+        if key.value != prefix_cache.hash_block(parent, key.tokens):
+            problems.append(f"block {depth}: value is not hash_block(parent hash, tokens)")
+    if len({k.value for k in keys}) != len(keys):
+        problems.append("equal tokens at different depths share a hash: the parent's hash "
+                        "is not in it")
+    return problems
+
+
+def test_block_hash_includes_the_parent_hash():
+    """Equality walks the whole chain, so a hash without the parent still gives correct
+    hits, only slower (every equal block collides): the hash value itself is asserted."""
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_seq([3] * (4 * BS) + [1])  # four full blocks holding the same tokens
+    run_prefill(manager, a)
+    keys = [manager.prefix_cache.key_of(b) for b in manager.get_block_ids(a.seq_id)[:4]]
+    assert all(k is not None for k in keys)
+    assert [k.parent for k in keys] == [None, *keys[:-1]]
+    assert hash_chain_problems(keys) == []
+    tokens = (1, 2, 3, 4)
+    assert prefix_cache.hash_block(None, tokens) != prefix_cache.hash_block(12345, tokens)
+    assert BlockKey(BlockKey(None, (9,) * BS), tokens).value != BlockKey(None, tokens).value
+
+
+def test_hash_chain_check_catches_a_hash_without_the_parent(monkeypatch):
+    """Negative control: the mistake the test above is for."""
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent_hash, tokens: hash(tokens))
+    key = None
+    keys = []
+    for _ in range(3):
+        key = BlockKey(key, (3,) * BS)
+        keys.append(key)
+    assert any("parent" in p for p in hash_chain_problems(keys))

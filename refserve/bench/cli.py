@@ -7,22 +7,32 @@ import importlib
 import sys
 from pathlib import Path
 
-from refserve.bench.common import machine_info, machine_line, write_json
+from refserve.bench.common import machine_info, machine_line, pyplot, write_json
+from refserve.entrypoints.cli_common import (
+    ArgumentParser,
+    CLIError,
+    HelpFormatter,
+    check_output_path,
+)
 
 SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
              "roofline", "loadtest")
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The scenario docstrings keep their layout; each default is shown once."""
+
+
+def build_parser() -> ArgumentParser:
     from refserve import bench
 
-    p = argparse.ArgumentParser(prog="python -m refserve.bench", description=bench.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m refserve.bench", description=bench.__doc__,
+                       formatter_class=_Formatter)
     sub = p.add_subparsers(dest="scenario", required=True, metavar="scenario")
     for name in SCENARIOS:
         module = importlib.import_module(f"refserve.bench.{name}")
         s = sub.add_parser(name, help=module.HELP, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=_Formatter)
         s.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
         s.add_argument("--seed", type=int, default=0, help="seed of the workload")
         s.add_argument("--quick", action="store_true", help="a small workload (CI smoke run)")
@@ -45,6 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         if (isinstance(value, (list, tuple)) and any(v <= 0 for v in value)) or (
                 not isinstance(value, (list, tuple)) and value <= 0):
             args.parser.error(f"--{name.replace('_', '-')} must be > 0")
+    try:  # before the run, which may take minutes: its results must have somewhere to go
+        for flag in ("json", "plot"):
+            if getattr(args, flag) is not None:
+                check_output_path(getattr(args, flag), f"--{flag}")
+    except CLIError as e:
+        args.parser.error(str(e))
+    if args.plot is not None:
+        pyplot()  # matplotlib is there (or one `error:` line now, not after the run)
     machine = machine_info()
     print(f"machine: {machine_line(machine)}\ncommand: {args.command}", flush=True)
     try:

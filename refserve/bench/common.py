@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -113,8 +114,9 @@ def pyplot():
     """matplotlib.pyplot with the file-only Agg backend (imported only when --plot asks)."""
     try:
         import matplotlib
-    except ImportError as e:
-        raise SystemExit("error: --plot needs matplotlib; pip install 'refserve[bench]'") from e
+    except ImportError:
+        print("error: --plot needs matplotlib; pip install 'refserve[bench]'", file=sys.stderr)
+        raise SystemExit(2) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

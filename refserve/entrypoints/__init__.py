@@ -1,8 +1,9 @@
-"""Entry points that put the engine behind a network API.
+"""Entry points that put the engine behind a network API, and what every command line shares.
 
 | module | holds |
 | --- | --- |
-| `engine_args.py` | the engine flags (vLLM's names), shared by the server and the benches |
+| `cli_common.py` | every CLI's parser (one `error:` line, no abbreviations), output-path checks |
+| `engine_args.py` | the engine flags (vLLM's names): one list for `generate` and `serve` |
 | `async_engine.py` | `AsyncEngine`: a background thread steps the engine; requests hand off |
 | `protocol.py` | OpenAI request bodies → `SamplingParams`; the error shape |
 | `responses.py` | OpenAI response, chunk, usage and logprobs shapes |

@@ -1,81 +1,120 @@
-"""The engine's command-line flags for `refserve.serve`, with vLLM's names.
+"""The engine's command-line flags, one list for `refserve.generate` and `refserve.serve`.
 
-`add_engine_args(parser)` adds them; `engine_config_from_args(args)` turns the parsed values
-into an `EngineConfig` (which validates them and raises ValueError naming the knob).
-`refserve.generate` defines the same flags itself; keep the two in step.
+`add_engine_args(parser)` adds them in two groups: vLLM's names (same flag, same meaning as
+`vllm serve`) and refserve's own, plus the deprecated spellings of the renamed knobs
+(config.DEPRECATED_ALIASES: they still work and warn). `engine_config_from_args(args)` is
+the one way from parsed flags to an `EngineConfig`, which validates every knob and raises
+ValueError naming the one out of range.
+
+`--tensor-parallel-size` is accepted for vLLM users' command lines: refserve runs a model on
+one device, so 1 is the only value; anything else is refused, pointing at vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import sys
 
-from refserve.capacity import parse_memory
 from refserve.config import (
     BACKENDS,
     BATCHING,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEPRECATED_ALIASES,
     DTYPES,
     KV_CACHE_LAYOUTS,
     EngineConfig,
 )
+from refserve.entrypoints.cli_common import json_object, memory_size
+
+# EngineConfig fields a flag sets; every other field keeps EngineConfig's default.
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.init)
 
 
-def _memory(text: str) -> int:
+class DeprecatedAlias(argparse.Action):
+    """An old flag spelling: stores into the new flag's dest and says so on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = "--" + self.dest.replace("_", "-")
+        print(f"warning: {option_string} is deprecated; use {new} (vLLM's name)",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def tensor_parallel_size(text: str) -> int:
+    """argparse type: 1, the only size refserve runs; the error names vLLM for more."""
     try:
-        return parse_memory(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value != 1:
+        raise argparse.ArgumentTypeError(
+            f"{value}: refserve runs a model on one device (1 is the only size); to shard a "
+            f"model over {value} devices use vLLM: vllm serve MODEL --tensor-parallel-size "
+            f"{value}")
     return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, grouped apart from the entry point's own (see the module docstring)."""
     e = parser.add_argument_group("engine: vLLM's names and meanings")
-    e.add_argument("--model", default=None, help="HF-format folder (default: the embedded "
-                   "SmolLM2-135M-Instruct, fetched and converted on first use)")
-    e.add_argument("--dtype", default="auto", choices=DTYPES)
+    e.add_argument("--model", default=None, help="HF-format folder, or a hub id such as "
+                   "HuggingFaceTB/SmolLM2-135M-Instruct, read from the Hugging Face cache "
+                   "(default: the embedded SmolLM2-135M-Instruct, fetched and converted on "
+                   "first use)")
+    e.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and KV cache; auto: float32 on NumPy")
     e.add_argument("--seed", type=int, default=0, help="engine-level seed: requests without "
                    "their own seed draw from it")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="force the KV pool size in blocks")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the device's TOTAL memory for weights + activations + KV")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's)")
+    e.add_argument("--max-num-seqs", type=int, default=256,
+                   help="seats in the running batch")
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step; longer prompts are prefilled in chunks "
                    "(default: the backend's, " + ", ".join(
                        f"{b} {n}" for b, n in DEFAULT_MAX_NUM_BATCHED_TOKENS.items()) +
                    ": one NumPy step stays well under a second on 2 cores)")
+    e.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most tokens one prefill takes per step, so a long prompt leaves "
+                   "budget for the requests behind it (0: no cap; default: half the budget "
+                   "with the NumPy default budget, else 0)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True)
+                   default=True, help="reuse the KV blocks of a prompt prefix seen before")
     e.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON")
+    e.add_argument("--tensor-parallel-size", type=tensor_parallel_size, default=1,
+                   help="devices to shard the model over: refserve runs on one (use vLLM "
+                   "for more)")
+    e.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
+                   '"num_speculative_tokens": 4, "model": "self", "num_draft_layers": 8}\'')
+
     r = parser.add_argument_group("engine: refserve's own")
-    r.add_argument("--backend", default="auto", choices=BACKENDS)
-    r.add_argument("--kv-cache-memory-bytes", type=_memory, default=2 * 1024**3,
-                   help="host memory for the KV pool on the NumPy backend, e.g. 2GiB")
-    r.add_argument("--batching", default="continuous", choices=BATCHING)
-    r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS)
+    r.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="auto: cupy when a CUDA GPU is usable, else numpy")
+    r.add_argument("--kv-cache-memory-bytes", type=memory_size(require_unit=False),
+                   default="2GiB", help="host memory for the KV pool on the NumPy "
+                   "backend, e.g. 2GiB (a bare number is bytes)")
+    r.add_argument("--batching", default="continuous", choices=BATCHING,
+                   help="static: request-level batching, for comparison")
+    r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS,
+                   help="contiguous: the naive one-block-per-sequence baseline")
+    kinds = {"num_gpu_blocks_override": int,
+             "kv_cache_memory_bytes": memory_size(require_unit=False)}
+    for old, new in DEPRECATED_ALIASES.items():
+        r.add_argument("--" + old.replace("_", "-"), dest=new, type=kinds[new],
+                       action=DeprecatedAlias, default=argparse.SUPPRESS,
+                       help=f"deprecated: --{new.replace('_', '-')}")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError (from EngineConfig) naming the knob that is out of range."""
-    return EngineConfig(
-        model=args.model, backend=args.backend, dtype=args.dtype, seed=args.seed,
-        block_size=args.block_size, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-        speculative_config=args.speculative_config, batching=args.batching,
-        kv_cache_layout=args.kv_cache_layout)
+    """The EngineConfig the parsed flags describe. Raises ValueError (EngineConfig's own
+    validation) naming the knob that is out of range."""
+    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_FIELDS
+                           if hasattr(args, name)})

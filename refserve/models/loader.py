@@ -162,10 +162,19 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def resolve_model_path(model: str | None, progress: bool = True) -> Path:
+    """The folder to load: the embedded default model for None (fetched and converted on
+    first use), an existing path as given, a hub id ('org/name') from the Hugging Face
+    cache as vLLM does (refserve/models/hub.py; FileNotFoundError saying how to get it).
+    Anything else is returned as a path, for the loader's "does not exist" error."""
     if model is None:
         from refserve.models.default_model import ensure_default_model
         return ensure_default_model(progress=progress)
-    return Path(model).expanduser()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    from refserve.models.hub import resolve_hub_id
+
+    return resolve_hub_id(str(model)) or path
 
 
 def load_tokenizer(path: Path):
