@@ -11,7 +11,6 @@ step and per row, then cProfile's top functions with calls per row.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 import time
@@ -19,6 +18,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from refserve.entrypoints.cli_common import ArgumentParser, RawDescriptionHelpFormatter
 from refserve.kv_cache import KVCacheManager
 from refserve.sampling_params import SamplingParams
 from refserve.scheduler import Scheduler
@@ -46,8 +46,7 @@ def step(sched: Scheduler) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     p.add_argument("--running", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--context", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--steps", type=int, default=15)

@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_FOLDERS = ("refserve", "tests", "notebooks")
-GPU_ONLY = {"cupy"}  # declared in the `gpu` extra, imported behind a guard
+GPU_ONLY = {"cupy", "cupyx"}  # the `gpu` extra (cupyx ships in cupy), imported behind a guard
 # Needed without being imported: pytest's --nbmake in addopts, ruff in .ci/run.
 TOOLS = {"nbmake", "ruff", "pytest"}
 

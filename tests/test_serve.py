@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -273,7 +274,16 @@ def test_full_waiting_queue_is_a_503_with_retry_after(tiny_dir):
         s.close()
 
 
-def test_disconnect_mid_stream_aborts_and_frees_the_blocks(served):
+def test_disconnect_mid_stream_aborts_and_frees_the_blocks(served, monkeypatch):
+    # The tiny model can finish 240 tokens before a loaded client has read three: pace the
+    # engine (at least 20 ms a step) so the request is surely running when the client leaves.
+    step = served.engine.step
+
+    def paced_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(served.engine, "step", paced_step)
     before = served.metrics()
     aborted = 'refserve:requests_total{outcome="aborted"}'
     finished = 'refserve:requests_total{outcome="finished"}'
