@@ -28,8 +28,9 @@ from refserve.engine import load_tokenizer, resolve_model_path
     pool (blocks)      = floor((memory × utilisation − weights) / (block_size × bytes per token))
     max concurrency    = floor(pool / ceil(context / block_size))
 
-For the embedded SmolLM2-135M and for a Llama-3-8B shape, both in float16, on an 80 GiB card
-at `gpu_memory_utilization = 0.9` and 8192 tokens of context:
+For the embedded SmolLM2-135M and for Llama-3-8B and Llama-3-70B shapes, all in float16, on an
+80 GiB card at `gpu_memory_utilization = 0.9` and 8192 tokens of context (the 70B's weights
+alone are larger than the card: no pool at all, whatever the batch):
 """),
     ("code", r"""
 GiB = 2**30
@@ -40,13 +41,17 @@ for name, config in cap.PRESETS.items():
     per_token = cap.kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"],
                                        shape["head_dim"], cap.DTYPE_BYTES["float16"])
     weights = cap.weights_bytes(config, cap.DTYPE_BYTES["float16"])
+    per_seq = cap.blocks_for_tokens(context, block_size)
+    head = f"{name:>13}: {per_token / 1024:7.1f} KiB per token | weights {weights / GiB:6.2f} GiB"
+    if weights > utilization * memory:
+        # Llama-3-70B: 131 GiB of float16 weights; it needs tensor parallelism (planner).
+        print(f"{head} | does not fit on one {memory / GiB:.0f} GiB GPU: split it over several")
+        continue
     pool = cap.num_blocks_for_memory(memory, utilization, weights,
                                      cap.kv_bytes_per_block(per_token, block_size))
-    per_seq = cap.blocks_for_tokens(context, block_size)
     rows[name] = (per_token, weights, pool, per_seq,
                   cap.max_concurrent_sequences(pool, context, block_size))
-    print(f"{name:>13}: {per_token / 1024:7.1f} KiB per token | weights {weights / GiB:6.2f} GiB "
-          f"| pool {pool:>9,} blocks | {per_seq} blocks per {context}-token sequence "
+    print(f"{head} | pool {pool:>9,} blocks | {per_seq} blocks per {context}-token sequence "
           f"| max concurrency {rows[name][4]:,}")
 """),
     ("md", r"""

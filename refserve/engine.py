@@ -172,9 +172,9 @@ class LLMEngine:
                         if spec.method == "ngram" else
                         DraftModelProposer(draft_model, self.backend, num_blocks,
                                            self.block_size, draft_cost))
-            self.speculator = Speculator(
-                proposer, AdaptiveSpeculation(spec.k, draft_cost, enabled=spec.adaptive),
-                self.max_model_len)
+            adaptive = AdaptiveSpeculation(spec.k, draft_cost, enabled=spec.adaptive)
+            adaptive.calibrate(self.model, config.max_num_batched_tokens)  # verify cost
+            self.speculator = Speculator(proposer, adaptive, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         # vLLM's engine-level seed: an unseeded request gets its seed from this stream, so

@@ -8,29 +8,38 @@ For each row, with its sequence's `SamplingParams`:
                  min_p:  keep t with p[t] >= min_p * max(p)
                  top_k:  keep t with x[t] >= the k-th largest x          (0 = off)
                  top_p:  renormalise over what is kept; keep t if the mass of the kept
-                         tokens strictly more likely than t is < top_p   (the nucleus)
+                         tokens with a larger logit than t is < top_p    (the nucleus)
                  draw one token from p restricted to the kept set, renormalised.
 
-Every rule keeps a tie with the last kept token (HF's and vLLM's `<` masks do too), so each
-kept set is `x >= threshold` for one threshold per row: the nucleus is the smallest such set
-whose mass reaches top_p. min_p and top_k commute (both keep a prefix of the sorted tokens);
-top_p comes last because it measures mass after them.
+TIES are decided on the logits, once for every rule: tokens with equal logits are kept or
+dropped together (HF's and vLLM's `<` masks keep a tie with the last kept token too), and
+tokens with different logits are ranked by them even where their float32 probabilities
+round to the same value (logits 5e-42 and 0 with top_p = 0.5: the nucleus is the first
+token alone, though both have probability 0.5). So each kept set is `x >= threshold` for one
+threshold per row: the nucleus is the smallest such set whose mass reaches top_p. min_p and
+top_k commute (both keep a prefix of the tokens ranked by logit); top_p comes last because
+it measures mass after them.
 
-How it is computed (the cost is a few passes over [rows, vocab] in float32):
-  - one max and, for top-p rows, one exp-sum over the whole row (the softmax normaliser);
-  - the kept set is found among the K largest logits, taken with `argpartition` (O(V)) and
-    only those K sorted. K starts at top_k + 1 (or 256 for top-p / min-p: a trained model's
-    nucleus is usually smaller) and grows 8x while the last candidate is still kept, since
-    then the set may continue past it; when the K candidates hold less than half of the
-    mass top_p asks for, the distribution is flat and the whole row is sorted (values only);
+How it is computed (a few passes over [rows, vocab] in float32; no row is sorted whole):
+  - one max and one exp per element: e = exp((x - max) / T), the unnormalised p;
+  - top_k's threshold by selection (`argpartition`, O(V)), min_p's as `e >= min_p`;
+  - the nucleus threshold by bisection on the logit: F(c) = the kept mass at logits >= c is
+    a few masked sums, one per halving, starting from a bracket that surely holds the
+    boundary; then only the tokens in the final thin bracket are sorted (`_nucleus_cut`);
   - the draw is an inverse CDF over the kept tokens in token-id order, two-level (block
-    sums, then inside one block) on long rows, so no length-V float64 array is built.
+    sums, then inside one block) on long rows, in float64, so no length-V float64 array of
+    running sums is built.
+Rows are taken _ROW_BLOCK at a time so that these passes run in cache. Measured on the
+bench's 32 rows x 49152 (top_p 0.9, T 0.8, nuclei of 2-6000 tokens; CPU time of one thread,
+median, 2-core machine at load 8): 12 ms per step, from 44 ms with the candidate search it
+replaces (argpartition of the 256, 2048, then 16384 largest logits while the nucleus
+reached past them).
 
 Randomness is per sequence: each sequence owns a `numpy.random.Generator` seeded from its
 request's seed (child i of a parallel-sampling request uses seed + i) and draws exactly one
 uniform per sampled token, none for greedy. Everything computed for a row depends only on
-that row (the candidate count K included), so a seeded request produces the same tokens
-whatever else is in the batch.
+that row (its bisection bracket and masked sums included: each row's sum is its own dot
+product), so a seeded request produces the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -47,8 +56,8 @@ from refserve.sampling_params import GREEDY_BELOW, SamplingParams
 __all__ = ["Sampler", "SamplerOutput", "SamplingParams", "make_generator", "probabilities",
            "sample_from_logits", "inverse_cdf", "GREEDY_BELOW"]
 
-_FIRST_CANDIDATES = 256  # first guess of K for top-p / min-p rows
-_GROWTH = 8              # K grows by this factor while the kept set may extend past it
+_BISECTIONS = 4          # halvings of the nucleus boundary's bracket before the exact step
+_ROW_BLOCK = 4           # rows processed together (in cache)
 _BLOCK = 1024            # inverse-CDF block length
 
 
@@ -65,12 +74,12 @@ def _filters(params: SamplingParams, vocab: int) -> bool:
 def inverse_cdf(weights: np.ndarray, u: float) -> int:
     """The index i where the running sum of `weights` first exceeds u * total (0 <= u < 1), so
     index i comes out with probability weights[i] / total and a zero weight never does.
-    Two levels: float32 block sums, then a float64 running sum inside one block."""
+    Two levels, all sums in float64: the blocks' sums, then a running sum inside one block."""
     if len(weights) <= _BLOCK:
         cum = np.cumsum(weights, dtype=np.float64)
         return _first_above(cum, u * cum[-1])
     starts = np.arange(0, len(weights), _BLOCK)
-    cum = np.cumsum(np.add.reduceat(weights, starts), dtype=np.float64)
+    cum = np.cumsum(np.add.reduceat(weights, starts, dtype=np.float64))
     target = u * cum[-1]
     b = _first_above(cum, target)
     block = weights[starts[b]:starts[b] + _BLOCK]
@@ -193,90 +202,110 @@ class Sampler:
 
 def _kept_ids(x, row_max, inv_t, params) -> list[np.ndarray | None]:
     """Per row the ids (increasing) kept by min_p, top_k and top_p; None for rows that
-    filter nothing. Rows sharing a candidate count K are processed together."""
+    filter nothing. Rows are processed _ROW_BLOCK at a time: the dozen passes over a block
+    then run in cache (32 rows of a 49152 vocabulary are 6 MB, and each pass from memory
+    costs more than its arithmetic). Each row's result depends on it alone."""
     vocab = x.shape[-1]
     kept: list[np.ndarray | None] = [None] * len(params)
-    todo = {r: min(p.top_k + 1 if 0 < p.top_k < vocab else _FIRST_CANDIDATES, vocab)
-            for r, p in enumerate(params) if _filters(p, vocab)}
-    mass_cache: dict[int, float] = {}
-    while todo:
-        by_k: dict[int, list[int]] = {}
-        for r, k in todo.items():
-            by_k.setdefault(k, []).append(r)
-        todo = {}
-        for k, rows in by_k.items():
-            found = _kept_among_top_k(x, rows, k, row_max, inv_t, params, mass_cache)
-            for r, ids in zip(rows, found):
-                if isinstance(ids, int):
-                    todo[r] = ids                       # look again among more candidates
-                else:
-                    kept[r] = ids
+    rows = [r for r, p in enumerate(params) if _filters(p, vocab)]
+    for b in range(0, len(rows), _ROW_BLOCK):
+        block = rows[b:b + _ROW_BLOCK]
+        found = _kept_in_block(x[block], row_max[block][:, None], inv_t[block][:, None],
+                               [params[r] for r in block])
+        for r, ids in zip(block, found):
+            kept[r] = ids
     return kept
 
 
-def _kept_among_top_k(x, rows, k, row_max, inv_t, params, mass_cache
-                      ) -> list[np.ndarray | int]:
-    """The kept ids of `rows`, looking only at each row's k largest logits. A row whose kept
-    set includes its smallest candidate may continue past it: for it, the next k to try."""
-    vocab = x.shape[-1]
-    sub = x if rows == list(range(len(x))) else x[rows]
-    if k < vocab:
-        cand = np.argpartition(sub, vocab - k, axis=-1)[:, vocab - k:]   # k largest, any order
-        cand_vals = np.take_along_axis(sub, cand, axis=-1)
-    else:
-        cand, cand_vals = None, sub
-    desc = np.sort(cand_vals, axis=-1)[:, ::-1]                         # largest first
-    m, it = row_max[rows][:, None], inv_t[rows][:, None]
-    e = np.exp((desc - m) * it)                   # p * Z, so e[:, 0] = 1 (the argmax)
-    top_k = np.array([params[r].top_k for r in rows])
-    min_p = np.array([params[r].min_p for r in rows], dtype=np.float32)
-    top_p = np.array([params[r].top_p for r in rows], dtype=np.float32)
-    g = np.arange(len(rows))
-    # top_k and min_p: a prefix of the sorted candidates (ties with the k-th kept).
-    kth = np.where((top_k > 0) & (top_k < vocab), desc[g, np.clip(top_k, 1, k) - 1], -np.inf)
-    keep = (desc >= kth[:, None]) & (e >= min_p[:, None])
-    count = keep.sum(axis=-1)
-    covered = np.ones(len(rows), dtype=np.float32)   # share of the top_p mass in view
-    nucleus_rows = np.flatnonzero(top_p < 1.0)
-    if len(nucleus_rows):
-        # Renormalise over the top_k / min_p set S, then keep the nucleus of it. S's mass
-        # comes from the candidates when S ends inside them, else from the whole row.
-        mass = (e * keep).sum(axis=-1)
-        past = nucleus_rows[keep[nucleus_rows, -1]] if k < vocab else nucleus_rows[:0]
-        new = [j for j in past if rows[j] not in mass_cache]
-        if new:
-            found = _mass_of_kept_set(sub if len(new) == len(rows) else sub[new], m[new],
-                                      it[new], kth[new], min_p[new])
-            mass_cache.update(zip((rows[j] for j in new), found.tolist()))
-        mass[past] = [mass_cache[rows[j]] for j in past]
-        p = np.where(keep, e, 0) / mass[:, None]
-        before = np.cumsum(p, axis=-1) - p        # mass of the tokens ranked before each
-        in_nucleus = keep & (before < top_p[:, None])
-        count[nucleus_rows] = in_nucleus[nucleus_rows].sum(axis=-1)
-        covered = (before[:, -1] + p[:, -1]) / top_p
-    threshold = desc[g, count - 1]                # smallest kept logit; ties with it kept
-    out: list[np.ndarray | int] = []
-    for j, r in enumerate(rows):
-        if k == vocab:
-            out.append(np.flatnonzero(x[r] >= threshold[j]))
-        elif desc[j, -1] >= threshold[j]:         # the last candidate is kept: look further
-            # Less than half the nucleus in view means a flat distribution: take the row.
-            out.append(min(k * _GROWTH, vocab) if covered[j] >= 0.5 else vocab)
-        else:
-            out.append(np.sort(cand[j][cand_vals[j] >= threshold[j]]))
-    return out
-
-
-def _mass_of_kept_set(x, m, inv_t, kth, min_p) -> np.ndarray:
-    """Per row of x [G, V]: sum of exp((x - m) / T) over the tokens top_k and min_p keep
-    (the softmax normaliser of that set), one vectorised pass over the rows."""
+def _kept_in_block(x, m, it, params) -> list[np.ndarray]:
+    """`_kept_ids` for the rows of x [G, V], all of which filter: S, the top_k / min_p set,
+    is two thresholds; the nucleus of S is a third (`_nucleus_cut`)."""
     e = x - m
-    if np.any(inv_t != 1):
-        e *= inv_t
-    np.exp(e, out=e)
-    if np.all(kth == -np.inf) and not np.any(min_p):
-        return e.sum(axis=-1)
-    return np.where((x >= kth[:, None]) & (e >= min_p[:, None]), e, 0).sum(axis=-1)
+    e *= it
+    np.exp(e, out=e)                            # p · Z, so 1 at the argmax
+    kth = np.array([_kth_largest(row, p.top_k) for row, p in zip(x, params)],
+                   dtype=np.float32)
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)
+    in_s = None                                 # None: S is the whole row
+    if np.any(kth > -np.inf) or np.any(min_p > 0):
+        in_s = (x >= kth[:, None]) & (e >= min_p[:, None])   # ties with the k-th kept
+    top_p = np.array([p.top_p for p in params], dtype=np.float32)
+    cut = np.full(len(x), -np.inf, dtype=np.float32)
+    nucleus = np.flatnonzero(top_p < 1.0)
+    if len(nucleus):
+        cut[nucleus] = _nucleus_cut(x[nucleus], e[nucleus],
+                                    None if in_s is None else in_s[nucleus], m[nucleus, 0],
+                                    it[nucleus, 0], top_p[nucleus])
+    keep = x >= cut[:, None]
+    if in_s is not None:
+        keep &= in_s
+    return _row_nonzero(keep)
+
+
+def _row_nonzero(mask: np.ndarray) -> list[np.ndarray]:
+    """np.flatnonzero of each row of a 2-D mask, from one pass over the whole mask."""
+    flat = np.flatnonzero(mask)
+    bounds = np.searchsorted(flat, np.arange(len(mask) + 1) * mask.shape[1])
+    return [flat[a:b] - j * mask.shape[1] for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def _kth_largest(row: np.ndarray, k: int) -> float:
+    """The k-th largest value of `row` (O(V) selection), or -inf when top_k is off."""
+    if not 0 < k < len(row):
+        return -np.inf
+    return row[np.argpartition(row, len(row) - k)[len(row) - k]]
+
+
+def _mass(e, x, cut, in_s, buf) -> np.ndarray:
+    """Per row: the sum of e over S's tokens with x >= cut, as one dot product per row with
+    the 0/1 mask (built in `buf`, float32 like e). A stacked matmul computes each row's sum
+    alone, so it is bitwise the same in any batch, which einsum's is not; NumPy's
+    sum(where=) branches per element and is up to 20x slower at middling densities."""
+    np.greater_equal(x, cut[:, None], out=buf, casting="unsafe")
+    if in_s is not None:
+        buf *= in_s
+    return (buf[:, None, :] @ e[:, :, None])[:, 0, 0]
+
+
+def _nucleus_cut(x, e, in_s, m, it, top_p) -> np.ndarray:
+    """Per row of x [G, V]: the smallest logit in the nucleus of S (`in_s`, None: the whole
+    row), `e` = exp((x - m) / T). With Z = the mass of S, token t is kept iff the mass of S's
+    tokens with a larger logit is < top_p · Z. Found without sorting the row:
+
+      F(c) = mass of S's tokens with x >= c. Every token >= c is kept when F(c) < top_p · Z
+      (its larger-logit mass is below F(c)); none below c is when F(c) >= top_p · Z.
+      lo: a c with F(c) >= top_p · Z for sure: S's tokens below c = m - T · ln(n / ((1 -
+          top_p) · Z)) (n tokens in S) each have e < (1 - top_p) · Z / n, so all of them
+          hold less than (1 - top_p) · Z;
+      hi = m: only the argmax and its ties are >= it.
+    _BISECTIONS halvings of [lo, hi] (one masked sum over the rows each), then the tokens
+    between lo and hi, a thin band, are sorted and walked exactly from F(hi)."""
+    buf = np.empty(x.shape, dtype=e.dtype)
+    if in_s is None:
+        z, n = e.sum(axis=-1), x.shape[1]
+    else:
+        z, n = _mass(e, x, np.full(len(x), -np.inf, np.float32), in_s, buf), in_s.sum(axis=-1)
+    target = top_p * z
+    lo = (m - np.log(np.maximum(n / ((1 - top_p) * z), 1.0)) / it).astype(np.float32)
+    hi = m.copy()
+    f_hi = np.count_nonzero(x >= m[:, None], axis=-1).astype(e.dtype)   # argmax ties: e = 1
+    for _ in range(_BISECTIONS):
+        mid = (lo + hi) / 2
+        f = _mass(e, x, mid, in_s, buf)
+        enough = f >= target
+        lo = np.where(enough, mid, lo)
+        hi, f_hi = np.where(enough, hi, mid), np.where(enough, f_hi, f)
+    band = (x >= lo[:, None]) & (x < hi[:, None])     # all rows at once
+    if in_s is not None:
+        band &= in_s
+    cut = hi.copy()
+    for j, ids in enumerate(_row_nonzero(band)):
+        if len(ids) and f_hi[j] < target[j]:    # else the argmax ties alone reach top_p
+            vals = np.sort(x[j, ids])[::-1]
+            w = np.exp((vals - m[j]) * it[j])
+            before = f_hi[j] + np.concatenate(([0], np.cumsum(w[:-1])))  # larger-logit mass
+            cut[j] = vals[np.count_nonzero(before < target[j]) - 1]       # ties: kept too
+    return cut
 
 
 def sample_from_logits(logits: np.ndarray, params: SamplingParams,

@@ -99,7 +99,7 @@ def test_stop_field_normalised():
 
 # ---- the vectorised sampler against a naive float64 reference ----------------------------
 
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
@@ -111,9 +111,10 @@ SETTINGS = settings(deadline=None, max_examples=150,
 
 def naive(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, margin=0.0):
     """The definitions written out in float64, one token at a time (independent of the
-    sampler's sorting and candidate search): tempered softmax; min_p keeps p >= min_p * max p;
+    sampler's thresholds and bisection): tempered softmax; min_p keeps p >= min_p * max p;
     top_k keeps logits >= the k-th largest; renormalise; top_p keeps a token when the mass of
-    strictly more probable kept tokens is < top_p; renormalise.
+    the kept tokens with a strictly larger logit is < top_p (ties decided on the logits, as
+    refserve.sampling's docstring defines); renormalise.
     Returns (probs, clear): `clear` is False when some token sits within `margin` of a
     min_p (relative) or top_p (absolute) boundary, where float32 and float64 rounding may
     disagree."""
@@ -131,7 +132,7 @@ def naive(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, margin=0.0):
     q = np.where(keep, p, 0.0)
     q /= q.sum()
     if top_p < 1.0:
-        more = np.array([q[keep & (q > q[i])].sum() for i in range(len(q))])
+        more = np.array([q[keep & (x > x[i])].sum() for i in range(len(q))])
         clear &= bool(np.all(np.abs(more[keep] - top_p) > margin))
         q = np.where(keep & (more < top_p), q, 0.0)
         q /= q.sum()
@@ -154,8 +155,35 @@ def cases(draw, max_vocab=600):
     return logits, params
 
 
+def key_case(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    return (np.array(logits, dtype=np.float32),
+            dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+
+
+FIVE = [2.0, 1.0, 0.0, -1.0, -3.0]
+# Each mechanism's key cases, run on every run of the test below (Hypothesis's own draws may
+# miss a mechanism for a whole run): min_p away from T = 1 on both sides (a min_p applied to
+# the untempered p agrees at T = 1 only), top_k through a run of ties and with a temperature,
+# top_p with a temperature, all of them together, and the nucleus tie rule on logits whose
+# probabilities round to the same float32 value.
+KEY_CASES = [key_case(FIVE, temperature=0.5, min_p=0.2), key_case(FIVE, temperature=2.0, min_p=0.2),
+             key_case([3.0, 2.0, 2.0, 2.0, 1.0], top_k=2),
+             key_case(FIVE, temperature=0.7, top_k=3),
+             key_case(FIVE, temperature=0.7, top_p=0.8), key_case(FIVE, temperature=2.5, top_p=0.6),
+             key_case([4.0, 3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0], temperature=1.5, top_k=6,
+                      top_p=0.9, min_p=0.05),
+             key_case([5.008e-42, 0.0], top_p=0.4), key_case([5.008e-42, 0.0], top_p=0.6)]
+
+
+def with_key_cases(test):
+    for case in reversed(KEY_CASES):
+        test = example(case)(test)
+    return test
+
+
 @SETTINGS
 @given(cases())
+@with_key_cases
 def test_probabilities_match_the_naive_definition(case):
     logits, kw = case
     ref, clear = naive(logits, margin=1e-4, **kw)
@@ -166,10 +194,33 @@ def test_probabilities_match_the_naive_definition(case):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", KEY_CASES, ids=[str(kw) for _, kw in KEY_CASES])
+def test_key_cases_are_clear_of_rounding_boundaries(case):
+    """An @example the test above `assume`s away would test nothing: each key case is clear."""
+    assert naive(case[0], margin=1e-4, **case[1])[1]
+
+
+def test_nucleus_ties_are_decided_on_logits():
+    """Logits 5.008e-42 and 0.0 have the same float32 (and float64) probability 0.5, but the
+    first logit is larger: with top_p = 0.5 the nucleus is the first token alone (the mass
+    of larger logits before the second one is 0.5, not < 0.5). Sampler and reference agree."""
+    logits = np.array([5.008e-42, 0.0], dtype=np.float32)
+    got = probabilities(logits, SamplingParams(top_p=0.5))
+    np.testing.assert_array_equal(got, [1.0, 0.0])
+    np.testing.assert_array_equal(naive(logits, top_p=0.5)[0], [1.0, 0.0])
+    # Four probabilities of exactly 1/4: the third token's larger-logit mass is exactly 0.5.
+    four = np.array([3e-41, 2e-41, 1e-41, 0.0], dtype=np.float32)
+    np.testing.assert_array_equal(probabilities(four, SamplingParams(top_p=0.5)),
+                                  [0.5, 0.5, 0.0, 0.0])
+    np.testing.assert_array_equal(naive(four, top_p=0.5)[0], [0.5, 0.5, 0.0, 0.0])
+    tied = np.array([0.0, 0.0], dtype=np.float32)       # equal logits: kept together
+    np.testing.assert_array_equal(probabilities(tied, SamplingParams(top_p=0.5)), [0.5, 0.5])
+
+
 @pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
-def test_candidate_search_grows_past_the_first_guess(shape):
-    """Nuclei larger than the first candidate guess (256), a flat row (the whole vocabulary),
-    and a top_k cut inside a run of tied logits: the kept set must still be exact."""
+def test_large_nuclei_flat_rows_and_tied_runs_are_exact(shape):
+    """Nuclei of hundreds of tokens, a flat row (a nucleus of most of the vocabulary), and a
+    top_k cut inside a run of tied logits: the kept set must still be exact."""
     rng = np.random.default_rng(7)
     vocab = 5000
     if shape == "peaked":        # ~300-1000 tokens in the 0.9 nucleus
@@ -247,7 +298,7 @@ def test_inverse_cdf_matches_a_running_sum():
         for u in rng.random(200):
             target = u * cum[-1]
             if np.min(np.abs(cum - target)) < 1e-4 * cum[-1]:
-                continue   # a boundary where float32 block sums may round the other way
+                continue   # a boundary where block-wise float64 sums may round the other way
             i = inverse_cdf(w, u)
             assert i == int(np.searchsorted(cum, target, side="right")) and w[i] > 0
 

@@ -38,7 +38,15 @@ def test_a_short_request_behind_a_long_prompt_waits_only_for_its_chunks(long_tin
         planned.append(out.num_batched_tokens)
         return out
 
+    short_posted = threading.Event()
+
     def recording_step():
+        # Hold the engine once the long prompt's first chunk is computed until the short
+        # request is on its way: on a loaded machine the HTTP round trip can otherwise take
+        # the whole prefill, and the test would see nothing (wait on the event, not a clock).
+        long = [s for s in engine.scheduler.running if s.num_prompt_tokens == len(LONG)]
+        if long and long[0].num_computed_tokens and not short_posted.is_set():
+            short_posted.wait(DEADLINE_S)
         start = time.perf_counter()
         outs = step()
         steps.append((start, time.perf_counter(), planned[-1] if planned else 0,
@@ -54,6 +62,14 @@ def test_a_short_request_behind_a_long_prompt_waits_only_for_its_chunks(long_tin
     engine.scheduler.schedule, engine.step = recording_schedule, recording_step
     engine.add_request = recording_add
     s = ServerThread(engine)
+    add_many = s.server.add_many
+
+    async def marking_add_many(requests, sink, arrival_time=None):
+        if any(len(prompt) == len(SHORT) for _, prompt, _ in requests):
+            short_posted.set()  # the engine may step once more before it takes the request
+        await add_many(requests, sink, arrival_time)
+
+    s.server.add_many = marking_add_many
     try:
         def stream(prompt, max_tokens):
             with httpx.stream("POST", s.url + "/v1/completions", timeout=DEADLINE_S, json={
@@ -74,6 +90,7 @@ def test_a_short_request_behind_a_long_prompt_waits_only_for_its_chunks(long_tin
             "model": MODEL, "prompt": SHORT, "max_tokens": 1})
         assert r.status_code == 200, r.text
     finally:
+        short_posted.set()  # never leave the engine held
         s.close()
 
     short_id, t_add, left = added[len(SHORT)]

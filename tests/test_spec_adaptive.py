@@ -1,33 +1,104 @@
 """The adaptive speculation rule (refserve/spec_decode/adaptive.py), pinned."""
 
+import numpy as np
 import pytest
 
 from refserve.spec_decode import adaptive
-from refserve.spec_decode.adaptive import AdaptiveSpeculation, best_num_drafts
+from refserve.spec_decode.adaptive import (
+    FLAT,
+    AdaptiveSpeculation,
+    PassCost,
+    best_num_drafts,
+    measure_pass_cost,
+)
 from refserve.spec_decode.metrics import expected_tokens_per_pass
 
+# A pass cost shaped like the measured ones: flat-ish to 8 rows, then growing with rows.
+CPU_LIKE = PassCost((1, 2, 5, 8, 16, 40), (1.0, 1.2, 1.6, 1.8, 2.6, 5.0))
 
-@pytest.mark.parametrize("overhead", [0.0, 0.5, adaptive.VERIFY_OVERHEAD])
+
+@pytest.mark.parametrize("overhead", [0.0, 0.5, 1.5])
 def test_best_num_drafts_is_the_argmax_of_tokens_per_cost(overhead):
     for alpha in [0.0, 0.05, 0.2, 0.5, 0.8, 0.95, 1.0]:
         for cost in [0.0, 0.1, 0.3, 1.0]:
             k = 6
             rates = [1.0] + [expected_tokens_per_pass(alpha, kk) / (1 + overhead + kk * cost)
                              for kk in range(1, k + 1)]
-            best = best_num_drafts(alpha, k, cost, overhead)
+            best = best_num_drafts(alpha, k, cost, lambda n: 1 + overhead)
             assert rates[best] == pytest.approx(max(rates))
             assert all(rates[kk] < rates[best] - 1e-12 for kk in range(best))  # smallest
 
 
 def test_k_shrinks_with_acceptance_and_with_draft_cost():
-    for overhead in (0.0, adaptive.VERIFY_OVERHEAD):
-        ks = [best_num_drafts(a / 20, 5, 0.1, overhead) for a in range(21)]
+    for ratio in (lambda n: 1.0, lambda n: CPU_LIKE.ratio(1, n)):
+        ks = [best_num_drafts(a / 20, 5, 0.1, ratio) for a in range(21)]
         assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 5
-    assert best_num_drafts(0.7, 5, 0.5, 0.0) < best_num_drafts(0.7, 5, 0.1, 0.0)
-    # break-even of one draft without overhead: 1 + α > 1 + c  <=>  α > c
-    assert best_num_drafts(0.09, 5, 0.1, 0.0) == 0 and best_num_drafts(0.12, 5, 0.1, 0.0) >= 1
-    # a verify overhead raises the acceptance speculation needs
-    assert best_num_drafts(0.5, 5, 0.05, 0.0) > 0 == best_num_drafts(0.5, 5, 0.05, 1.5)
+    assert best_num_drafts(0.7, 5, 0.5) < best_num_drafts(0.7, 5, 0.1)
+    # break-even of one draft with a flat pass: 1 + α > 1 + c  <=>  α > c
+    assert best_num_drafts(0.09, 5, 0.1) == 0 and best_num_drafts(0.12, 5, 0.1) >= 1
+    # a costlier verify pass raises the acceptance speculation needs
+    assert best_num_drafts(0.5, 5, 0.05) > 0 == best_num_drafts(0.5, 5, 0.05, lambda n: 2.5)
+
+
+def test_pass_cost_interpolates_and_extrapolates():
+    assert CPU_LIKE(1) == 1.0 and CPU_LIKE(5) == pytest.approx(1.6)
+    assert CPU_LIKE(3) == pytest.approx(1.2 + (1.6 - 1.2) / 3)           # linear between
+    assert CPU_LIKE(80) == pytest.approx(5.0 + (5.0 - 2.6) / 24 * 40)    # the last slope on
+    assert CPU_LIKE.ratio(1, 4) == pytest.approx(1.6)
+    assert CPU_LIKE.ratio(8, 4) == pytest.approx(5.0 / 1.8)   # 8 running, 5 rows each
+    assert FLAT(1) == FLAT(1000) == 1.0 and FLAT.ratio(8, 4) == 1.0
+
+
+def test_the_batch_changes_the_rule():
+    """At batch 1 the measured 5-row pass is cheap; at 8 running the 40-row verify step is
+    past the bandwidth floor, and the same acceptance no longer pays for 4 drafts."""
+    rule = AdaptiveSpeculation(k=4, pass_cost=CPU_LIKE)
+    rule.forget_all_but({0})
+    assert rule.batch == 1 and rule.best(0.6) == 2
+    rule.forget_all_but(set(range(8)))
+    assert rule.batch == 8 and rule.best(0.6) == 1 and rule.best(0.6, batch=1) == 2
+    assert rule.cost(0) == 1.0
+    assert rule.cost(4) == pytest.approx(5.0 / 1.8 + 4 * rule.cost_per_draft)
+    assert rule.cost(4, batch=1) == pytest.approx(1.6 + 4 * rule.cost_per_draft)
+
+
+class FakeModel:
+    """dense_seconds as LlamaModel's ({rows: one float per repeat}; None on a device)."""
+
+    def __init__(self, seconds_of_rows, device=False):
+        self.calls, self.fn, self.device = [], seconds_of_rows, device
+
+    def dense_seconds(self, rows, repeats=3):
+        self.calls.append((tuple(rows), repeats))
+        return None if self.device else {r: [self.fn(r)] * repeats for r in rows}
+
+
+def test_calibration_measures_the_rows_up_to_the_budget_and_is_monotone():
+    model = FakeModel(lambda r: 0.01 * (1 + 0.1 * r) if r != 3 else 0.001)  # a dip at 3
+    rule = AdaptiveSpeculation(k=4)
+    rule.calibrate(model, max_rows=20)
+    rows = tuple(r for r in adaptive.CALIBRATION_ROWS if r <= 20)
+    assert rule.pass_cost.rows == rows
+    assert model.calls == [(rows, adaptive.CALIBRATION_ROUNDS)]
+    assert list(rule.pass_cost.seconds) == sorted(rule.pass_cost.seconds)   # no dip
+    assert rule.pass_cost(5) == pytest.approx(0.015)
+    # A device backend cannot be timed: flat. A disabled rule measures nothing.
+    rule = AdaptiveSpeculation(k=4)
+    rule.calibrate(FakeModel(lambda r: 1.0, device=True), 64)
+    assert rule.pass_cost == FLAT
+    off = FakeModel(lambda r: 1.0)
+    AdaptiveSpeculation(k=4, enabled=False).calibrate(off, 64)
+    assert off.calls == []
+
+
+def test_measure_pass_cost_on_a_tiny_real_model(tiny_folder):
+    from refserve.backends.numpy_backend import NumpyBackend
+    from refserve.models.loader import load_model
+
+    model = load_model(tiny_folder, NumpyBackend())
+    cost = measure_pass_cost(model, max_rows=8)
+    assert cost.rows == (1, 2, 3, 5, 8)
+    assert all(s > 0 for s in cost.seconds) and np.all(np.diff(cost.seconds) >= 0)
 
 
 def test_a_fresh_sequence_speculates_and_a_rejected_one_stops_then_probes():
@@ -38,13 +109,15 @@ def test_a_fresh_sequence_speculates_and_a_rejected_one_stops_then_probes():
         rule.observe(0, 4, 0)  # every draft rejected at once
         steps += 1
         assert steps < 20
-    assert best_num_drafts(rule.alpha(0), 4, rule.cost_per_draft, rule.overhead) == 0
-    # idle for PROBE_EVERY steps (the loop's last call was the first), then one probe
-    assert [rule.num_drafts(0) for _ in range(adaptive.PROBE_EVERY - 1)] == \
-        [0] * (adaptive.PROBE_EVERY - 1)
+    assert rule.best(rule.alpha(0)) == 0
+    # The loop's last call was idle step 1; steps 2 .. PROBE_EVERY - 1 are plain, then the
+    # PROBE_EVERY-th is the probe: one step in PROBE_EVERY.
+    assert [rule.num_drafts(0) for _ in range(adaptive.PROBE_EVERY - 2)] == \
+        [0] * (adaptive.PROBE_EVERY - 2)
     assert rule.num_drafts(0) == adaptive.PROBE_TOKENS
-    probes = [rule.num_drafts(0) for _ in range(3 * (adaptive.PROBE_EVERY + 1))]
-    assert probes.count(adaptive.PROBE_TOKENS) == 3
+    probes = [rule.num_drafts(0) for _ in range(3 * adaptive.PROBE_EVERY)]
+    assert [i for i, n in enumerate(probes) if n] == \
+        [adaptive.PROBE_EVERY - 1 + i * adaptive.PROBE_EVERY for i in range(3)]
     assert all(n in (0, adaptive.PROBE_TOKENS) for n in probes)
 
 
@@ -52,13 +125,28 @@ def test_acceptance_brings_speculation_back_and_other_sequences_are_independent(
     rule = AdaptiveSpeculation(k=4)
     for _ in range(30):
         rule.observe(0, 2, 0)
-    assert best_num_drafts(rule.alpha(0), 4, rule.cost_per_draft) == 0
+    assert rule.best(rule.alpha(0)) == 0
     for _ in range(30):
         rule.observe(0, 4, 4)  # a quote starts: everything accepted
     assert rule.num_drafts(0) == 4
     assert rule.num_drafts(1) == rule.num_drafts(2) >= 2  # untouched sequences: the prior
     rule.forget_all_but({1})
     assert rule.alpha(0) == pytest.approx(adaptive.PRIOR_ALPHA)
+
+
+def test_a_proposer_that_is_never_right_is_stopped_even_when_verifying_is_cheap():
+    """The prior is discounted with the evidence: α̂ goes to 0, so even a flat pass cost
+    (cost(1) = 1.05) stops speculating after a few rejected steps. A prior of fixed weight
+    would hold α̂ at PRIOR_ALPHA / 11 = 0.07 and keep one draft a step forever."""
+    rule = AdaptiveSpeculation(k=4)
+    steps = []
+    for _ in range(60):
+        steps.append(rule.num_drafts(0))
+        rule.observe(0, steps[-1], 0)               # every draft rejected
+    assert rule.alpha(0) < rule.cost_per_draft     # below break-even at a flat pass
+    assert sum(n > 0 for n in steps[20:]) <= 2      # after the first 20: only probes
+    assert adaptive.PRIOR_ALPHA / (1 / (1 - adaptive.DECAY) + adaptive.PRIOR_WEIGHT) > \
+        rule.cost_per_draft                          # the floor a fixed prior would leave
 
 
 def test_accept_tests_counted_as_run_not_as_proposed():
@@ -69,6 +157,9 @@ def test_accept_tests_counted_as_run_not_as_proposed():
     rule.observe(0, 3, 3)  # all accepted: 3 tests
     assert state.accepted == pytest.approx(adaptive.DECAY * 1 + 3)
     assert state.tested == pytest.approx(adaptive.DECAY * 2 + 3)
+    assert state.prior == pytest.approx(adaptive.PRIOR_WEIGHT * adaptive.DECAY ** 2)
+    assert rule.alpha(0) == pytest.approx((state.accepted + adaptive.PRIOR_ALPHA * state.prior)
+                                          / (state.tested + state.prior))
 
 
 def test_disabled_rule_always_gives_k():

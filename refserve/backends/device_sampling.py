@@ -3,9 +3,10 @@
 The rule is refserve/sampling.py's, row by row (greedy below T = 1e-5; min_p, top_k, top_p
 each keep every token tied with the last kept one; the draw is an inverse CDF in token-id
 order with the row's one uniform). Only the way it is computed differs: the host `Sampler`
-looks at a few candidates with argpartition and loops over rows; here every row is sorted in
-full and everything is one vectorised pass over [B, V], which suits a GPU (and CuPy's sort)
-and needs no device→host copy except the B token ids at the end.
+finds each kept set's threshold without sorting (selection, bisection on masked sums) and
+loops over rows; here every row is sorted in full and everything is one vectorised pass over
+[B, V], which suits a GPU (and CuPy's sort) and needs no device→host copy except the B
+token ids at the end.
 
 Written against `xp` (numpy or cupy): the CPU tests run it with NumPy against the host
 `Sampler`; the CuPy backend runs it on the device.

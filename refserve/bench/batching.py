@@ -1,5 +1,7 @@
 """`batching`: continuous vs static batching vs transformers' batched `generate`, on a
-long-tailed, decode-heavy workload; plus the scheduling overhead at 32 running."""
+long-tailed, decode-heavy workload; plus one decode step taken apart at 16 and 32 running:
+the forward, what runs outside it, the sampler, and the dense-matmul floor (the step's
+weight products alone, each layer's own weights read from memory as the forward reads them)."""
 
 from __future__ import annotations
 
@@ -20,14 +22,15 @@ def add_arguments(p) -> None:
     p.add_argument("--mean-output", type=int, default=120)
     p.add_argument("--max-running", type=int, default=16, help="max_num_seqs / HF batch size")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--overhead-running", type=int, default=32)
+    p.add_argument("--overhead-running", type=int, nargs="+", default=[16, 32],
+                   help="running sequences at which one decode step is taken apart")
     p.add_argument("--overhead-steps", type=int, default=20)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
 
 
 def apply_quick(args) -> None:
     args.num_requests, args.mean_output, args.max_running = 8, 24, 4
-    args.overhead_running, args.overhead_steps = 8, 4
+    args.overhead_running, args.overhead_steps = [8], 4
 
 
 POSITIVE = ("num_requests", "mean_output", "max_running", "overhead_running", "overhead_steps",
@@ -128,6 +131,9 @@ def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
         finally:
             sampler_time[0] += time.perf_counter() - t0
 
+    if len(engine.scheduler.running) != running:
+        raise ValueError(f"overhead at {running} running: {len(engine.scheduler.running)} "
+                         f"run at once; the engine needs max_num_seqs >= {running}")
     engine.sampler.sample = timed_sample
     s0, f0 = engine.time_in_step, engine.runner.time_in_forward
     try:
@@ -151,32 +157,18 @@ def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
 
 
 def dense_matmul_floor(model, rows: int, repeats: int = 5) -> float:
-    """Milliseconds for one decode step's dense matmuls alone: per layer q/k/v, o, gate/up
-    and down on `rows` activations, plus the LM head, on random weights of the model's
-    shapes and layout (refserve.models.llama.linear). The best of `repeats`: a floor no
-    decode step of this model can beat on this machine with this BLAS."""
-    from refserve.models.llama import linear
-
-    rng = np.random.default_rng(0)
-    layer = model.layers[0]
-    shapes = [layer.w_qkv.shape, layer.w_o.shape, layer.w_gate_up.shape, layer.w_down.shape]
-    weights = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
-    lm_head = rng.standard_normal(model.lm_head.shape, dtype=np.float32)
-    x_in = {w.shape[1]: rng.standard_normal((rows, w.shape[1]), dtype=np.float32)
-            for w in [*weights, lm_head]}
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(model.config.num_hidden_layers):
-            for w in weights:
-                linear(x_in[w.shape[1]], w)
-        linear(x_in[lm_head.shape[1]], lm_head)
-        best = min(best, time.perf_counter() - t0)
-    return 1000 * best
+    """Milliseconds for one decode step's dense products alone at `rows` rows: per layer
+    q/k/v, o, gate/up and down, plus the LM head, with the model's own weights and forms
+    (refserve.models.llama.linear; `LlamaModel.dense_seconds`). Every layer's weights are
+    distinct, 538 MB for SmolLM2-135M, so they stream from memory as in the forward (one
+    layer's 14 MB reused 30 times would sit in the 32 MB L3 and make the floor optimistic).
+    The best of `repeats`: a floor no decode step of this model beats on this machine."""
+    return 1000 * min(model.dense_seconds([rows], repeats=repeats)[rows])
 
 
 BATCH_COLS = [("system", "system", ""), ("tokens_per_s", "tok/s", ".1f"),
               ("elapsed_s", "seconds", ".1f"), ("steps", "steps", "d"),
+              ("ms_per_step", "ms/step", ".1f"),
               ("slot_steps_used", "slot used", "d"), ("slot_steps_wasted", "slot wasted", "d"),
               ("ttft_p50_ms", "TTFT p50 ms", ".0f"), ("ttft_p99_ms", "TTFT p99 ms", ".0f"),
               ("tpot_p50_ms", "TPOT p50 ms", ".1f"), ("tpot_p99_ms", "TPOT p99 ms", ".1f"),
@@ -204,9 +196,15 @@ def run(args) -> dict:
         rows.append(run_transformers(cont.engine.model_path, wl, args.max_running))
         same = sum(a == b for a, b in zip(rows[2]["outputs"], rows[0]["outputs"]))
         rows[2]["same_outputs_as_refserve"] = same
-    overhead = overhead_at(cont, args.overhead_running, args.overhead_steps, vocab)
+    for r in rows:
+        r["ms_per_step"] = 1000 * r["elapsed_s"] / max(r["steps"], 1)
+    del static, cont
+    # Its own engine: the batching engines run at most --max-running sequences at once.
+    wide = LLM(**{**common, "max_num_seqs": max(args.overhead_running)})
+    overheads = [overhead_at(wide, n, args.overhead_steps, vocab)
+                 for n in sorted(args.overhead_running)]
     result = {"rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
-              "overhead": overhead}
+              "overheads": overheads, "overhead": overheads[-1]}
     print()
     print_table(result["rows"], BATCH_COLS)
     base = rows[0]["tokens_per_s"]
@@ -215,14 +213,13 @@ def run(args) -> dict:
     if not args.no_hf:
         print(f"transformers greedy outputs identical to refserve's for "
               f"{rows[2]['same_outputs_as_refserve']}/{len(wl.prompts)} requests")
-    print(f"overhead at {overhead['running']} running: step {overhead['step_ms']:.1f} ms, "
-          f"forward {overhead['forward_ms']:.1f} ms, outside the forward "
-          f"{overhead['outside_forward_ms']:.2f} ms ({overhead['outside_forward_fraction']:.1%})")
-    print(f"dense-matmul floor at {overhead['running']} rows: "
-          f"{overhead['dense_matmul_floor_ms']:.1f} ms; step / floor = "
-          f"{overhead['step_over_floor']:.2f}x")
-    print(f"sampling at top_p 0.9: {overhead['sampling_top_p_ms']:.2f} ms per step "
-          f"({overhead['sampling_fraction']:.1%} of the step)")
+    for o in overheads:
+        print(f"decode step at {o['running']} running: {o['step_ms']:.1f} ms, forward "
+              f"{o['forward_ms']:.1f} ms, outside the forward {o['outside_forward_ms']:.2f} ms "
+              f"({o['outside_forward_fraction']:.1%}); dense-matmul floor (distinct weights) "
+              f"{o['dense_matmul_floor_ms']:.1f} ms, step / floor = {o['step_over_floor']:.2f}x;"
+              f" sampling at top_p 0.9 {o['sampling_top_p_ms']:.2f} ms "
+              f"({o['sampling_fraction']:.1%} of the step)")
     return result
 
 

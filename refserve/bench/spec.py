@@ -12,6 +12,13 @@ Systems: none; ngram (prompt lookup, k = --k); self-draft (the target's first
 output tokens/s, speedup over none (same workload, same batch), acceptance rate, mean
 accepted length, target passes per output token, and how many greedy outputs are token-
 identical to none's (speculation must not change greedy output).
+
+Before the cells, the cost of a verify pass: a 5-row forward (1 + k with k = 4) over a
+1-row forward of the target, batch 1, 64 tokens of context, both medians of 7 interleaved
+wall-clock runs, once with the products the model loaded with (refserve/models/
+few_row_matmul.py: calibrated forms for 2-64 rows) and once as one gemv / sgemm each
+(`REFSERVE_MATMUL=plain`); and the verify / plain pass ratio the adaptive rule measured at
+start-up, at batch 1 and at batch 8.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from refserve.bench.common import print_table, pyplot, save_figure
@@ -87,6 +95,24 @@ def _run_interleaved(llms: dict, prompts, params, batch: int):
     return {name: (outs[name], seconds[name]) for name in names}
 
 
+def verify_pass_ratios(model, repeats: int = 7) -> dict:
+    """5-row / 1-row forward seconds of `model` as loaded and with every product plain."""
+    from refserve.models.few_row_matmul import PLAIN
+
+    variants = {"few_row": model, "plain": model.with_plan(PLAIN)}
+    times: dict[tuple[str, int], list[float]] = {}
+    for r in range(repeats):
+        for name in list(variants)[r % 2:] + list(variants)[:r % 2]:
+            for rows in (1, 5):
+                times.setdefault((name, rows), []).extend(
+                    variants[name].forward_seconds(1, rows, repeats=1))
+    med = {key: float(np.median(t)) for key, t in times.items()}
+    return {"one_row_ms": 1000 * med[("few_row", 1)],
+            "few_row": med[("few_row", 5)] / med[("few_row", 1)],
+            "plain": med[("plain", 5)] / med[("plain", 1)],
+            "plans": [repr(w) for w in model.dense_weights(1)]}
+
+
 def run(args) -> dict:
     from refserve import LLM
 
@@ -100,6 +126,16 @@ def run(args) -> dict:
     for llm in llms.values():  # warm-up: first-call costs are not speculation's
         llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)
+    ratios = verify_pass_ratios(llms["none"].engine.model)
+    cost = llms["ngram"].engine.speculator.adaptive.pass_cost
+    ratios.update(adaptive_batch1=cost.ratio(1, args.k), adaptive_batch8=cost.ratio(8, args.k))
+    print(f"5-row / 1-row forward (batch 1): {ratios['few_row']:.2f}x with the few-row forms, "
+          f"{ratios['plain']:.2f}x as one sgemm (REFSERVE_MATMUL=plain); 1-row forward "
+          f"{ratios['one_row_ms']:.1f} ms. Adaptive rule's verify / plain pass at k = "
+          f"{args.k}: {ratios['adaptive_batch1']:.2f}x at batch 1, "
+          f"{ratios['adaptive_batch8']:.2f}x at batch 8", flush=True)
+    for plan in ratios["plans"]:
+        print(f"  {plan}")
     batches = [1] if args.batch1_only or args.batch == 1 else [1, args.batch]
     cells = [(kind, b) for kind in ("quote-heavy", "creative") for b in batches]
     rows = []
@@ -144,7 +180,7 @@ def run(args) -> dict:
             print(f"{r['workload']}, batch {r['batch']}: {r['system']} {r['speedup']:.2f}x "
                   f"wall-clock vs no speculation, greedy outputs identical "
                   f"{r['identical_outputs']}/{r['requests']}")
-    return {"rows": rows}
+    return {"rows": rows, "verify_pass": ratios}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -25,42 +25,45 @@ Two CPU traps this file avoids on purpose: a float64 scalar silently promotes th
 forward to float64 (4-6x slower), and a 3-D (B, 1, D) @ W matmul is ~5x slower than the same
 product on a 2-D (B, D) array, so activations stay 2-D [T, hidden] throughout.
 
-Weights keep Hugging Face's [out, in] layout and every dense product is `linear(x, W) =
-(W @ xᵀ)ᵀ`. Measured on the 2-core development machine (OpenBLAS 0.3.31, SkylakeX kernel),
-the four per-layer products of SmolLM2 × 30 layers take 10.5 / 30.4 / 39.9 ms at 1 / 16 / 32
-rows this way, against 11.6 / 35.7 / 46.1 ms as `x @ W_t` with [in, out] weights and
-10.6 / 45.5 / 57.4 ms as `x @ W.T` (a transposed view of the [out, in] weight).
+Every dense product is `linear(x, W) = x · Wᵀ` for a weight W [out, in] (Hugging Face's
+layout), computed by the weight itself (`DenseWeight`, refserve/models/few_row_matmul.py):
+one gemv at 1 row, one sgemm for prefill chunks, and for 2-64 rows (decode batches, verify
+passes) the form a calibration at load time found fastest for this shape on this machine's
+BLAS kernel. On the NumPy backend a few-row step then costs about what its weight bytes
+cost to read (a 5-row pass of SmolLM2 was 3.2x a 1-row pass as one OpenBLAS sgemm); other
+backends keep `(W @ xᵀ)ᵀ`.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from refserve.backends.attention_metadata import AttentionMetadata
 from refserve.models.config import LlamaConfig
+from refserve.models.few_row_matmul import OUT_IN, DenseWeight
 
 
 @dataclass
 class _Layer:
     input_norm: object
     post_attention_norm: object
-    w_qkv: object        # [(H + 2·Hkv)·head_dim, hidden]: q, k, v projections fused
+    w_qkv: DenseWeight      # [(H + 2·Hkv)·head_dim, hidden]: q, k, v projections fused
     b_qkv: object | None
-    w_o: object          # [hidden, H·head_dim]
+    w_o: DenseWeight        # [hidden, H·head_dim]
     b_o: object | None
-    w_gate_up: object    # [2·intermediate, hidden]: gate and up fused
-    w_down: object       # [hidden, intermediate]
+    w_gate_up: DenseWeight  # [2·intermediate, hidden]: gate and up fused
+    w_down: DenseWeight     # [hidden, intermediate]
 
 
-def linear(x, w):
-    """x [T, in] · wᵀ for a weight w [out, in] (HF's layout) -> [T, out].
-
-    Computed as (w @ xᵀ)ᵀ: BLAS then streams the weight row by row (it is C-contiguous in
-    the order the product reads it) and only the small activation is read transposed; the
-    result is a transposed view, which every later op accepts as it is.
-    """
-    return (w @ x.T).T
+def linear(x, w: DenseWeight):
+    """x [T, in] · wᵀ for a weight w [out, in] -> [T, out] (often a transposed view, which
+    every later op accepts). The form of the product depends on T: see few_row_matmul.py."""
+    return w(x)
 
 
 class LlamaModel:
@@ -78,10 +81,15 @@ class LlamaModel:
         def dev(a):
             return backend.to_device(np.ascontiguousarray(a, dtype=self.dtype))
 
-        self.embed_tokens = dev(weights["model.embed_tokens.weight"])
+        def dense(a):       # a weight of `linear`, in the layout its product plan chose
+            return DenseWeight(dev(a))
+
+        embed = dev(weights["model.embed_tokens.weight"])             # [vocab, hidden]
         self.final_norm = dev(weights["model.norm.weight"])
-        self.lm_head = (self.embed_tokens if c.tie_word_embeddings
-                        else dev(weights["lm_head.weight"]))      # [vocab, hidden]
+        self.lm_head = (DenseWeight(embed) if c.tie_word_embeddings
+                        else dense(weights["lm_head.weight"]))
+        # Tied: the embedding rows are the lm_head's, stored once (a view if transposed).
+        self.embed_tokens = self.lm_head.out_in if c.tie_word_embeddings else embed
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -89,14 +97,14 @@ class LlamaModel:
             self.layers.append(_Layer(
                 input_norm=dev(weights[p + "input_layernorm.weight"]),
                 post_attention_norm=dev(weights[p + "post_attention_layernorm.weight"]),
-                w_qkv=dev(np.concatenate(qkv, axis=0)),
+                w_qkv=dense(np.concatenate(qkv, axis=0)),
                 b_qkv=(dev(np.concatenate([weights[p + f"self_attn.{n}_proj.bias"]
                                            for n in "qkv"])) if c.qkv_bias else None),
-                w_o=dev(weights[p + "self_attn.o_proj.weight"]),
+                w_o=dense(weights[p + "self_attn.o_proj.weight"]),
                 b_o=dev(weights[p + "self_attn.o_proj.bias"]) if c.o_bias else None,
-                w_gate_up=dev(np.concatenate([weights[p + "mlp.gate_proj.weight"],
-                                              weights[p + "mlp.up_proj.weight"]], axis=0)),
-                w_down=dev(weights[p + "mlp.down_proj.weight"]),
+                w_gate_up=dense(np.concatenate([weights[p + "mlp.gate_proj.weight"],
+                                                weights[p + "mlp.up_proj.weight"]], axis=0)),
+                w_down=dense(weights[p + "mlp.down_proj.weight"]),
             ))
         # RoPE tables, cos/sin of θ_i = p · theta^(-2i/d) for every position p.
         inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64)
@@ -108,6 +116,81 @@ class LlamaModel:
         # promote the forward to float64, a float32 one a float16 model to float32.
         self.scale = self.dtype.type(1.0 / np.sqrt(c.head_dim))
         self.eps = self.dtype.type(c.rms_norm_eps)
+
+    # ------------------------------------------------------------------ cost probes
+    def dense_weights(self, num_layers: int | None = None) -> list[DenseWeight]:
+        """The weights of one forward's dense products in forward order: per layer (the
+        first `num_layers`, default all) q/k/v, o, gate/up, down; then the lm_head."""
+        layers = self.layers[:num_layers]
+        return [w for la in layers for w in (la.w_qkv, la.w_o, la.w_gate_up, la.w_down)] + \
+            [self.lm_head]
+
+    def with_plan(self, plan) -> LlamaModel:
+        """A shallow copy whose dense products all follow `plan` (a few_row_matmul.Plan, e.g.
+        PLAIN: one gemv / sgemm for every row count); weights shared where the layout allows,
+        else converted. For measuring one form against another in one process."""
+        def convert(w: DenseWeight) -> DenseWeight:   # [out, in] C-contiguous for OUT_IN
+            return DenseWeight(np.ascontiguousarray(w.out_in) if plan.layout == OUT_IN
+                               else w.out_in, plan)
+
+        model = copy.copy(self)
+        model.layers = [dataclasses.replace(la, w_qkv=convert(la.w_qkv), w_o=convert(la.w_o),
+                                            w_gate_up=convert(la.w_gate_up),
+                                            w_down=convert(la.w_down)) for la in self.layers]
+        model.lm_head = convert(self.lm_head)
+        return model
+
+    def dense_seconds(self, rows, repeats: int = 3) -> dict[int, list[float]] | None:
+        """Wall-clock seconds of one forward's dense products (every layer's, then the
+        lm_head's) at each of `rows` (row counts), `repeats` times each, interleaved (every
+        round times every row count once, so a slow spell of a shared machine hits them
+        alike). The weights are the model's own, each layer's distinct, so they are read
+        from memory as in a real forward; activations are random. None on a device backend
+        (a host clock does not time device work)."""
+        if self.xp is not np:
+            return None
+        weights = self.dense_weights()
+        rng = np.random.default_rng(0)
+        out: dict[int, list[float]] = {r: [] for r in rows}
+        for _ in range(repeats):
+            for r in rows:
+                xs = {k: rng.standard_normal((r, k), dtype=np.float32).astype(self.dtype)
+                      for k in {w.shape[1] for w in weights}}
+                t0 = time.perf_counter()
+                for w in weights:
+                    w(xs[w.shape[1]])
+                out[r].append(time.perf_counter() - t0)
+        return out
+
+    def forward_seconds(self, num_seqs: int, query_len: int, context_len: int = 64,
+                        repeats: int = 3, block_size: int = 16) -> list[float] | None:
+        """Wall-clock seconds of one whole forward, once per repeat: `num_seqs` sequences,
+        each with `context_len` tokens already cached and `query_len` new ones (1: a decode
+        row; 1 + k: a verify row with k drafts), logits for every query token. Runs on a
+        private KV cache of just the blocks it needs (cache contents do not change the
+        cost); token ids are arbitrary. None on a device backend, as `dense_seconds`."""
+        if self.xp is not np:
+            return None
+        c, total = self.config, context_len + query_len
+        per_seq = -(-total // block_size)
+        caches = self.backend.allocate_kv_cache(c.num_hidden_layers, num_seqs * per_seq,
+                                                block_size, c.num_key_value_heads,
+                                                c.head_dim, dtype=self.dtype)
+        tables = np.arange(num_seqs * per_seq, dtype=np.int32).reshape(num_seqs, per_seq)
+        positions = np.tile(np.arange(context_len, total), num_seqs)
+        seq_of = np.repeat(np.arange(num_seqs), query_len)
+        slots = tables[seq_of, positions // block_size].astype(np.int64) * block_size \
+            + positions % block_size
+        attn = AttentionMetadata.build(
+            slots, np.arange(num_seqs + 1, dtype=np.int32) * query_len,
+            np.full(num_seqs, total, dtype=np.int32), tables, to_device=self.backend.to_device)
+        ids = np.arange(len(positions), dtype=np.int64) % c.vocab_size
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.forward(ids, positions, attn, caches, np.arange(len(positions)))
+            out.append(time.perf_counter() - t0)
+        return out
 
     # ------------------------------------------------------------------ building blocks
     def rms_norm(self, x, weight):

@@ -2,21 +2,26 @@
 
 A verify step with k' drafts emits on average E(α, k') = (1 - α^(k'+1)) / (1 - α) tokens
 (Leviathan et al.; `metrics.expected_tokens_per_pass`) and costs, relative to a plain decode
-step, about
+step of the same batch, about
 
     cost(0)  = 1
-    cost(k') = 1 + VERIFY_OVERHEAD + k' · (VERIFY_COST_PER_TOKEN + draft_cost_per_token)
+    cost(k') = pass(B · (1 + k')) / pass(B) + k' · (VERIFY_COST_PER_TOKEN + draft_cost_per_token)
 
-VERIFY_OVERHEAD: what going from 1 to several query tokens costs by itself. In theory ~0 (a
-small-batch decode is bound by reading the weights, which a verify reads once for all k'+1
-tokens); on the NumPy backend it is not: OpenBLAS multiplies a 1-row activation with its
-matrix-vector kernel (gemv) but 2-8 rows with its general kernel (sgemm), slower for that
-tiny shape. Calibrated end to end on `python -m refserve.bench spec` (SmolLM2-135M, 2-core
-SkylakeX, k = 4, adaptive off): n-gram on the quote-heavy prompt needed 0.37 target passes
-per output token and ran 2.03x faster, so one verify pass cost about 1 / (0.37 x 2.03) =
-1.33 plain passes. (Isolated micro-benchmarks of one forward put it higher, up to 2.5x; they
-are noisier on a shared machine.)
-VERIFY_COST_PER_TOKEN: each further query token (attention, the logits row, the warp).
+pass(rows): the seconds of one target forward over `rows` query tokens; B: the sequences
+running. A plain step has B rows; a verify step B · (1 + k') when every sequence proposes k',
+the case the rule prices (sequences of one workload tend to behave alike).
+In theory pass is flat for a few rows: a small-batch step is bound by reading the weights,
+which it reads once for all its rows. Measured, it is not quite, and how far depends on the
+BLAS kernel and the batch: a 5-row pass of SmolLM2-135M cost 3.2x a 1-row pass as one
+OpenBLAS sgemm with the SkylakeX kernel and 3.75x with Haswell (issue 19), 1.5x and 2.5x
+with the few-row forms of refserve/models/few_row_matmul.py (one thread, loaded machine);
+at 8 running, 5 rows each are 40 rows, past the bandwidth floor. So pass is measured when
+the engine starts (`calibrate`: the target's dense products at CALIBRATION_ROWS up to the
+step's token budget, 27 passes, about half a second for SmolLM2 on an idle 2-core CPU) and
+interpolated (`PassCost`). A device backend, whose passes a host clock cannot
+time, keeps the theory: flat.
+VERIFY_COST_PER_TOKEN: each further query token's cost outside the dense products
+(attention, its logits row's warp and accept test), relative to a plain step.
 draft_cost_per_token: one draft forward per draft token, relative to the target's
 (0 for the n-gram proposer; about num_draft_layers / num_layers for a self-draft).
 
@@ -25,18 +30,24 @@ proposes k' = argmax over k' in 0..k of E(α̂, k') / cost(k')   (ties: the smal
 shrinks as acceptance falls, and at k' = 0 the sequence stops speculating: a low-acceptance
 request decodes at plain speed, minus the probes below.
 
-    α̂ = (A + PRIOR_ALPHA · PRIOR_WEIGHT) / (T + PRIOR_WEIGHT)
+    α̂ = (A + PRIOR_ALPHA · P) / (T + P)
 
 where T counts the accept tests a verify step ran (accepted drafts + 1 if one was rejected:
 drafts after a rejection were never tested) and A the passed ones, both discounted by DECAY
 per verify step so the estimate follows a request whose text changes character (a quote ends,
-free text starts). The prior lets a fresh request speculate at full k until evidence arrives.
+free text starts). The prior, worth P = PRIOR_WEIGHT tests at first, lets a fresh request
+speculate at full k until evidence arrives, and is discounted like the evidence: a prior that
+kept its weight while the evidence saturates at 1 / (1 - DECAY) = 10 tests would hold α̂ at
+PRIOR_ALPHA / 11 = 0.07 for a proposer that is never right, enough to keep one draft a step
+alive wherever a verify row costs under 7% of a step.
 
-Stopping must not be forever (acceptance changes when, e.g., the model starts quoting), so a
-sequence at k' = 0 for PROBE_EVERY consecutive steps probes once with PROBE_TOKENS drafts;
-a probe's outcome updates α̂ like any verify step. A probe costs cost(PROBE_TOKENS) - 1 extra
-decode steps (0.4 with the constants below), so with PROBE_EVERY = 30 a request whose
-drafts are never accepted runs under 2% slower than without speculation.
+Stopping must not be forever (acceptance changes when, e.g., the model starts quoting), so
+while the rule says k' = 0, every PROBE_EVERY-th consecutive step is a probe with
+PROBE_TOKENS drafts (PROBE_EVERY - 1 plain steps, then the probe); a probe's outcome updates
+α̂ like any verify step. A probe costs cost(PROBE_TOKENS) - 1 extra decode steps (0.1-0.4
+with the measured pass costs), so with PROBE_EVERY = 30 a request whose drafts are never
+accepted runs at most (cost(PROBE_TOKENS) - 1) / PROBE_EVERY, under 2%, slower than
+without speculation.
 
 All constants are here and nowhere else; tests/test_spec_adaptive.py pins the rule.
 """
@@ -45,24 +56,67 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from refserve.spec_decode.metrics import expected_tokens_per_pass
 
-VERIFY_OVERHEAD = 0.3         # a several-token pass vs a 1-token pass, minus 1 (see above)
-VERIFY_COST_PER_TOKEN = 0.05  # extra cost of one more query token in a target pass
+VERIFY_COST_PER_TOKEN = 0.05  # a further query token's cost outside the dense products
 PRIOR_ALPHA = 0.8             # α assumed before a request has been tested (optimistic: try)
 PRIOR_WEIGHT = 1.0            # ... worth this many accept tests
 DECAY = 0.9                   # weight of the past per verify step (≈ last 10 steps count)
-PROBE_EVERY = 30              # steps at k' = 0 before one probe
+PROBE_EVERY = 30              # while k' = 0: one step in this many is a probe
 PROBE_TOKENS = 2              # drafts in a probe
+CALIBRATION_ROWS = (1, 2, 3, 5, 8, 16, 24, 40, 64)   # where pass is measured: batch 1 and
+CALIBRATION_ROUNDS = 3        # batch 8 with k <= 4; rounds over them, the minimum counts
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """pass(rows), the seconds of one target forward over `rows` query tokens, from
+    measurements at `rows` (increasing): linear in between, along the last measured slope
+    past the last (there the pass is compute-bound and grows with rows). One point: flat."""
+
+    rows: tuple[int, ...] = (1,)
+    seconds: tuple[float, ...] = (1.0,)
+
+    def __call__(self, rows: float) -> float:
+        r, s = self.rows, self.seconds
+        if rows <= r[-1] or len(r) == 1:
+            return float(np.interp(rows, r, s))
+        slope = max((s[-1] - s[-2]) / (r[-1] - r[-2]), 0.0)
+        return s[-1] + slope * (rows - r[-1])
+
+    def ratio(self, batch: int, num_drafts: int) -> float:
+        """pass(batch · (1 + num_drafts)) / pass(batch): a verify step over a plain one."""
+        return self(batch * (1 + num_drafts)) / self(batch)
+
+
+FLAT = PassCost()   # the theory: a few-row pass costs what a 1-row pass does
+
+
+def measure_pass_cost(model, max_rows: int) -> PassCost | None:
+    """pass at CALIBRATION_ROWS up to `max_rows`: `model.dense_seconds(rows, repeats)`
+    (LlamaModel: every layer's and the lm_head's products, CALIBRATION_ROUNDS rounds over
+    the row counts), the minimum per row count (a shared machine only ever adds time),
+    made non-decreasing (more rows never cost less). Timing a slice of the layers and
+    scaling it up was cheaper but amplified the noise: a 5-row pass came out 2.2x a 1-row
+    pass where whole forwards measured 1.4x. None if the model cannot be timed (a device
+    backend)."""
+    rows = [r for r in CALIBRATION_ROWS if r <= max(max_rows, 1)]
+    times = model.dense_seconds(rows, repeats=CALIBRATION_ROUNDS)
+    if times is None:
+        return None
+    seconds = np.maximum.accumulate([min(times[r]) for r in rows])
+    return PassCost(tuple(rows), tuple(float(s) for s in seconds))
 
 
 def best_num_drafts(alpha: float, k: int, cost_per_draft: float,
-                    overhead: float = VERIFY_OVERHEAD) -> int:
+                    pass_ratio=lambda n: 1.0) -> int:
     """argmax over k' in 0..k of E(α, k') / cost(k'), cost(0) = 1 and
-    cost(k') = 1 + overhead + k' · cost_per_draft; the smaller k' on ties."""
+    cost(k') = pass_ratio(k') + k' · cost_per_draft; the smaller k' on ties."""
     best, best_rate = 0, 1.0
     for kk in range(1, k + 1):
-        rate = expected_tokens_per_pass(alpha, kk) / (1.0 + overhead + kk * cost_per_draft)
+        rate = expected_tokens_per_pass(alpha, kk) / (pass_ratio(kk) + kk * cost_per_draft)
         if rate > best_rate + 1e-12:
             best, best_rate = kk, rate
     return best
@@ -72,39 +126,60 @@ def best_num_drafts(alpha: float, k: int, cost_per_draft: float,
 class _State:
     accepted: float = 0.0    # discounted passed accept tests (A)
     tested: float = 0.0      # discounted accept tests (T)
-    idle_steps: int = 0      # consecutive steps at k' = 0
+    prior: float = PRIOR_WEIGHT   # the prior's discounted weight (P)
+    idle_steps: int = 0      # consecutive steps at k' = 0, the probe included
 
     @property
     def alpha(self) -> float:
-        return (self.accepted + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.tested + PRIOR_WEIGHT)
+        return (self.accepted + PRIOR_ALPHA * self.prior) / (self.tested + self.prior)
 
 
 class AdaptiveSpeculation:
     """The rule of the module docstring, per sequence id. `enabled=False`: always k."""
 
     def __init__(self, k: int, draft_cost_per_token: float = 0.0, enabled: bool = True,
-                 overhead: float = VERIFY_OVERHEAD):
+                 pass_cost: PassCost = FLAT):
         self.k = k
         self.cost_per_draft = VERIFY_COST_PER_TOKEN + draft_cost_per_token
-        self.overhead = overhead
         self.enabled = enabled
+        self.pass_cost = pass_cost
+        self.batch = 1           # sequences running, as of the last forget_all_but
         self._states: dict[int, _State] = {}
+
+    def calibrate(self, model, max_rows: int) -> None:
+        """Measure pass (the module docstring) for `model` up to `max_rows` rows: the
+        engine calls this once at start-up. Nothing to do when the rule is off."""
+        if self.enabled and self.k > 0:
+            self.pass_cost = measure_pass_cost(model, max_rows) or FLAT
+
+    def cost(self, num_drafts: int, batch: int | None = None) -> float:
+        """cost(k') at `batch` running (default: the current batch)."""
+        if num_drafts == 0:
+            return 1.0
+        ratio = self.pass_cost.ratio(batch or self.batch, num_drafts)
+        return ratio + num_drafts * self.cost_per_draft
+
+    def best(self, alpha: float, batch: int | None = None) -> int:
+        """k' for acceptance `alpha` at `batch` running (default: the current batch)."""
+        b = batch or self.batch
+        return best_num_drafts(alpha, self.k, self.cost_per_draft,
+                               lambda n: self.pass_cost.ratio(b, n))
 
     def alpha(self, seq_id: int) -> float:
         return self._states.get(seq_id, _State()).alpha
 
     def num_drafts(self, seq_id: int) -> int:
         """How many drafts this sequence should propose now (0: decode plainly). Counts the
-        step as idle when the answer is 0."""
+        step as idle when the rule says 0; the PROBE_EVERY-th idle step is a probe."""
         if not self.enabled:
             return self.k
         state = self._states.setdefault(seq_id, _State())
-        n = best_num_drafts(state.alpha, self.k, self.cost_per_draft, self.overhead)
+        n = self.best(state.alpha)
         if n > 0:
             state.idle_steps = 0
             return n
         state.idle_steps += 1
-        if state.idle_steps > PROBE_EVERY:
+        if state.idle_steps >= PROBE_EVERY:
             state.idle_steps = 0
             return min(PROBE_TOKENS, self.k)
         return 0
@@ -117,19 +192,22 @@ class AdaptiveSpeculation:
         tests = num_accepted + (1 if num_accepted < num_draft else 0)
         state.accepted = DECAY * state.accepted + num_accepted
         state.tested = DECAY * state.tested + tests
+        state.prior *= DECAY
 
     def forget(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
 
     def forget_all_but(self, live: set[int]) -> None:
+        """Drop the state of sequences not in `live` (the running ones, once per step),
+        whose count is the batch the rule prices."""
+        self.batch = max(len(live), 1)
         for seq_id in [s for s in self._states if s not in live]:
             del self._states[seq_id]
 
 
 if __name__ == "__main__":
-    for overhead in (0.0, VERIFY_OVERHEAD):
-        for cost in (0.0, 0.3):
-            print(f"verify overhead {overhead}, draft cost per token {cost}: best k' for "
-                  f"k = 5 at α = 0.0 .. 1.0")
-            print("  ", [best_num_drafts(a / 10, 5, VERIFY_COST_PER_TOKEN + cost, overhead)
-                         for a in range(11)])
+    for name, cost in (("flat", FLAT), ("a 5-row pass = 3.2 1-row passes",
+                                        PassCost((1, 5), (1.0, 3.2)))):
+        rule = AdaptiveSpeculation(5, pass_cost=cost)
+        print(f"pass cost {name}: best k' for k = 5 at α = 0.0 .. 1.0")
+        print("  ", [rule.best(a / 10) for a in range(11)])
