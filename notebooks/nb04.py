@@ -109,7 +109,7 @@ def replay(max_num_seqs):
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     held, preempted_at, outputs = [], [], {}
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         before = engine.scheduler.num_preemptions
         for o in engine.step():
             if o.finished:

@@ -301,12 +301,8 @@ class LLMEngine:
         del self.requests[request_id]
         return True
 
-    abort = abort_request  # refserve's older name
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    has_unfinished = has_unfinished_requests  # refserve's older name
 
     def decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])

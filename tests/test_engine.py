@@ -138,7 +138,7 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
     with pytest.raises(ValueError, match="prompt 1: .*unknown token id"):
         llm.generate([[5, 6], [1000]], good)
     outs = []
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         outs += engine.step()
     assert [o.request_id for o in outs if o.finished] == ["ok-1"]
     expect = make_llm(tiny_folder).generate([[5, 6, 7]], good)[0].outputs[0].token_ids
@@ -170,10 +170,10 @@ def test_abort_frees_blocks_at_once(tiny_folder, when):
             if seq.num_preemptions and seq.status is SequenceStatus.WAITING:
                 break
         assert seq.num_preemptions > 0
-    engine.abort("b")
+    engine.abort_request("b")
     assert not kv.has_sequence(seq.seq_id)
     kv.check_invariants()
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         engine.step()
     assert kv.num_held_blocks == 0
 
@@ -196,7 +196,7 @@ def test_failing_step_names_requests_and_keeps_pool_consistent(tiny_folder):
     engine.kv_cache_manager.check_invariants()
     engine.runner.forward = original
     done = {}
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids

@@ -25,7 +25,7 @@ class LetterTokenizer:
 
 def run_to_end(engine):
     done = {}
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o
@@ -46,7 +46,7 @@ def test_failed_step_then_abort_recovers(tiny_folder):
     with pytest.raises(EngineStepError, match="injected"):
         engine.step()
     engine.runner.forward = original
-    engine.abort("a")
+    engine.abort_request("a")
     engine.kv_cache_manager.check_invariants()
     done = run_to_end(engine)
     kv = engine.kv_cache_manager

@@ -160,7 +160,7 @@ def test_rejected_drafts_blocks_are_freed_every_step(tiny):
     base = tokens(make_llm(tiny).generate(PROMPTS, GREEDY, use_tqdm=False))
     ids = [engine.add_request(None, p, GREEDY) for p in PROMPTS]
     kv, done = engine.kv_cache_manager, {}
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o
@@ -250,7 +250,7 @@ def test_failed_verify_restores_the_generators(tiny):
 
     engine.backend.rejection_sample = flaky
     done, failures = {}, 0
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         try:
             outs = engine.step()
         except EngineStepError:
@@ -277,7 +277,7 @@ def test_failed_proposal_stage_is_an_engine_step_error_and_leaves_no_drafts(tiny
 
     engine.speculator.proposer.runner.forward = flaky
     done, failures = {}, 0
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         try:
             outs = engine.step()
         except EngineStepError as e:

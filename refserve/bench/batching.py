@@ -143,7 +143,7 @@ def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
         engine.sampler.sample = original
     in_step = engine.time_in_step - s0
     in_fwd = engine.runner.time_in_forward - f0
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         engine.step()
     floor = dense_matmul_floor(engine.model, running)
     step_ms = 1000 * in_step / steps

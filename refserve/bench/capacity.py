@@ -70,7 +70,7 @@ def _measure(args, pool: int) -> dict:
         bar.update(1)
     bar.close()
     for rid in ids:
-        engine.abort(rid)
+        engine.abort_request(rid)
     return {"pool_blocks": pool, "block_size": bs, "tokens_per_sequence": kept,
             "blocks_per_sequence": per_seq, "requests_sent": sent, "predicted": predicted,
             "measured": len(first_wave), "peak_running": peak_running,

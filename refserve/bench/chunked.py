@@ -66,7 +66,7 @@ def _run_one(args, chunking: bool) -> dict:
     long_prompt = passage(tok, args.long_prompt_tokens, args.seed)
     # warm-up: the first forward pays one-off costs that are not chunking's doing
     engine.add_request("warm-up", "Hello", SamplingParams(max_tokens=1))
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         engine.step()
     decode_ids = [engine.add_request(f"decode-{i}", QUESTIONS[i % len(QUESTIONS)],
                                      SamplingParams(max_tokens=100_000, temperature=0.0,
@@ -106,7 +106,7 @@ def _run_one(args, chunking: bool) -> dict:
         computed_before = computed
     bar.close()
     for rid in decode_ids:
-        engine.abort(rid)
+        engine.abort_request(rid)
     p = percentiles(itl, (50, 99))
     return {"chunked_prefill": "on" if chunking else "off", "max_num_batched_tokens": budget,
             "budget_source": source, "short_ttft_ms": ms(short_ttft),

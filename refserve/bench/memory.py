@@ -55,7 +55,7 @@ def _trace(engine, workload, n: int, desc: str) -> list[dict]:
     bs, kv = engine.block_size, engine.kv_cache_manager
     samples = []
     bar = tqdm(total=len(workload.prompts), desc=desc, unit="req")
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         for out in engine.step():
             bar.update(int(out.finished))
         by_request: dict[str, list] = {}

@@ -111,7 +111,7 @@ def run(args) -> dict:
     prompt = rng.integers(min(1000, vocab // 2), vocab, args.prefill_tokens).tolist()
     rid = engine.add_request(None, prompt, SamplingParams(max_tokens=1, temperature=0.0))
     t = _timed_forward(engine, engine.step)
-    engine.abort(rid)
+    engine.abort_request(rid)
     n = args.prefill_tokens
     flops, nbytes = step_cost(costs, [n], [n], 1)
     rows.append({"step": f"prefill {n} tokens", "tokens": n, "seconds": t, "flops": flops,
@@ -134,7 +134,7 @@ def run(args) -> dict:
 
         t = _timed_forward(engine, decode_steps) / args.decode_steps
         for rid in ids:
-            engine.abort(rid)
+            engine.abort_request(rid)
         # context grows by one per step; the middle step stands for all of them
         mid = [c + args.decode_steps // 2 for c in ctx]
         flops, nbytes = step_cost(costs, [1] * batch, mid, batch)

@@ -174,7 +174,7 @@ class AsyncEngine:
             with self.lock:
                 for op in ops:
                     self._apply(op)
-                busy = self.engine.has_unfinished()
+                busy = self.engine.has_unfinished_requests()
                 if busy:
                     self._step()
                 try:
@@ -192,7 +192,7 @@ class AsyncEngine:
         if isinstance(op, _Abort):
             for request_id in op.request_ids:
                 self._consumers.pop(request_id, None)
-                if self.engine.abort(request_id):
+                if self.engine.abort_request(request_id):
                     self.metrics.count_outcome("aborted")
             return
         added: list[str] = []
@@ -212,7 +212,7 @@ class AsyncEngine:
             # ValueError (bad input) and QueueFull are the caller's to fix: rejected.
             # Anything else is a server fault: failed (HTTP 500). All or nothing: the
             # prompts added before the one that failed are taken back.
-            self.engine.abort(added)
+            self.engine.abort_request(added)
             rejected = isinstance(e, (ValueError, QueueFull))
             for _ in op.requests:
                 self.metrics.count_outcome("rejected" if rejected else "failed")
@@ -247,7 +247,7 @@ class AsyncEngine:
     def _fail(self, request_id: str, message: str, status: int = 500) -> None:
         consumer = self._consumers.pop(request_id, None)
         try:
-            self.engine.abort(request_id)  # frees its blocks; the pool stays consistent
+            self.engine.abort_request(request_id)  # frees its blocks; the pool stays consistent
         except Exception:  # noqa: BLE001 - the request is gone either way
             pass
         if consumer is not None:
