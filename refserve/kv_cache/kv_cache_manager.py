@@ -123,7 +123,7 @@ class KVCacheManager:
 
     def get_block_ids(self, seq_id: int) -> list[int]:
         """The sequence's block table (a copy): physical block id of each logical block."""
-        return list(self._table(seq_id).block_ids)
+        return self._table(seq_id).block_ids
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Flat KV slots of positions [start, end): table[p // bs] * bs + p % bs."""
@@ -179,7 +179,7 @@ class KVCacheManager:
             held = attach
         else:
             attach = []  # computed blocks are attached on the first call only
-            held = table.block_ids
+            held = table  # len() and [i] only: no copy of a long table, twice a step
         start = seq.num_computed_tokens + len(attach) * self.block_size
         end = start + num_new_tokens
         blocks_after = blocks_for_tokens(end, self.block_size)

@@ -427,7 +427,7 @@ class SchedulerBase:
         out.block_copies.extend(copies)
         out.scheduled.append(ScheduledSequence(
             seq, num_tokens, start, num_logits=num_logits,
-            block_ids=list(kv.get_block_ids(seq.seq_id)), draft_token_ids=tuple(drafts)))
+            block_ids=kv.get_block_ids(seq.seq_id), draft_token_ids=tuple(drafts)))
         return num_tokens
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
