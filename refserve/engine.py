@@ -16,6 +16,12 @@ notebook can make in its own cell (values flow from one to the next; nothing is 
     outputs   = engine.finish_step(out, sampled, update)   # metrics, times, RequestOutputs
 
 The offline API around it (`LLM`, vLLM's names) is refserve/llm.py.
+
+`engine.observer` (refserve's, default None) watches a run without being part of it:
+anything with `arrive(request_id, t)`, called by add_request with the arrival time, and
+`step(t_start, t_end, out, update, outputs)`, called after each step with its
+time.perf_counter() bounds. The `--trace` timeline (refserve/simulator/trace.py,
+`EngineTrace`) is one; the engine never imports it.
 """
 
 from __future__ import annotations
@@ -181,6 +187,7 @@ class LLMEngine:
         # the same engine seed and the same requests give the same outputs.
         self._seed_stream = np.random.default_rng(config.seed)
         self.time_in_step = 0.0  # seconds inside step(); runner.time_in_forward is the model
+        self.observer = None     # see the module docstring
         if progress:
             tokens = num_blocks * self.block_size
             cap = (f", a prefill at most {config.long_prefill_token_threshold}"
@@ -285,6 +292,8 @@ class LLMEngine:
         req.seqs.append(seq)
         req.generators[seq.seq_id] = make_generator(seed, 0)
         self.requests[request_id] = req
+        if self.observer is not None:
+            self.observer.arrive(request_id, now)
         return request_id
 
     def abort_request(self, request_id) -> bool:
@@ -340,7 +349,10 @@ class LLMEngine:
                 "these requests.", ids) from e
         update = self.scheduler.update(out, sampled)
         outputs = self.finish_step(out, sampled, update)
-        self.time_in_step += time.perf_counter() - t_step
+        t_end = time.perf_counter()
+        self.time_in_step += t_end - t_step
+        if self.observer is not None:
+            self.observer.step(t_step, t_end, out, update, outputs)
         return outputs
 
     def propose(self) -> Proposals:

@@ -58,6 +58,9 @@ def build_parser() -> ArgumentParser:
     io.add_argument("--json", type=Path, metavar="PATH", help="write every output and metric "
                     "(the folder is checked before generating)")
     io.add_argument("--quiet", action="store_true", help="print only the generated text")
+    io.add_argument("--trace", type=Path, metavar="PATH", help="write the run's timeline as "
+                    "Chrome trace-event JSON (open it in https://ui.perfetto.dev): a track "
+                    "per request, one for the engine's steps")
 
     add_engine_args(p)
 
@@ -150,8 +153,9 @@ def report(args, outputs, summary, streamed: bool) -> None:
 
 
 def run(args) -> int:
-    if args.json is not None:
-        check_output_path(args.json, "--json")
+    for flag in ("json", "trace"):
+        if getattr(args, flag) is not None:
+            check_output_path(getattr(args, flag), f"--{flag}")
     prompts, params = build_requests(args)
     try:
         config = engine_config_from_args(args)
@@ -169,6 +173,12 @@ def run(args) -> int:
         # the default model's first fetch offline, a pool too small, no chat template, ...
         raise CLIError(str(e)) from None
 
+    trace = None
+    if args.trace is not None:
+        from refserve.simulator.trace import EngineTrace
+
+        trace = EngineTrace()
+        trace.attach(llm)
     stream = len(prompts) == 1 and params[0].n == 1
     printed = [0]
 
@@ -191,13 +201,24 @@ def run(args) -> int:
         if stream:
             print()
         report(args, done, llm.last_summary, streamed=stream)
+        write_trace(trace, args.trace)
         print(f"interrupted (Ctrl-C): {len(done)} of {len(prompts)} requests finished",
               file=sys.stderr)
         return EXIT_INTERRUPTED
     if stream:
         print()
     report(args, list(enumerate(outputs)), llm.last_summary, streamed=stream)
+    write_trace(trace, args.trace)
     return 0
+
+
+def write_trace(trace, path) -> None:
+    if trace is None:
+        return
+    try:
+        trace.write(path)
+    except OSError as e:
+        raise CLIError(f"--trace {path}: cannot write it ({e.strerror})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

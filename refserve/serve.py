@@ -27,8 +27,9 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
-from refserve.entrypoints.cli_common import ArgumentParser
+from refserve.entrypoints.cli_common import ArgumentParser, CLIError, check_output_path
 from refserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from refserve.entrypoints.options import MiB, ServerOptions
 
@@ -82,6 +83,9 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGTERM / SIGINT, seconds running requests may still finish "
                    "(default %(default)s)")
+    s.add_argument("--trace", type=Path, metavar="PATH", help="on shutdown, write the engine's "
+                   "timeline here (Chrome trace-event JSON: https://ui.perfetto.dev); the "
+                   "folder is checked at start-up")
     s.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
@@ -114,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         args.model = args.model_tag
     if args.max_waiting < 1:
         parser.error(f"--max-waiting {args.max_waiting}: must be >= 1")
+    if args.trace is not None:
+        try:
+            check_output_path(args.trace, "--trace")
+        except CLIError as e:
+            parser.error(str(e))
     try:
         options = server_options(args)
         config = engine_config_from_args(args)
@@ -144,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # vLLM serves a hub id under that id; a folder under its own name.
     name = args.served_model_name or hub_id_of(engine.model_path) or engine.model_path.name
+    trace = None
+    if args.trace is not None:
+        from refserve.simulator.trace import EngineTrace
+
+        trace = EngineTrace()
+        trace.attach(engine)
     server = AsyncEngine(engine, max_waiting=args.max_waiting)
     server.start()
     http = HTTPServer(build_app(server, name, options), sock, options, server,
@@ -164,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if not http.alive:
             print("error: the HTTP server stopped on its own", file=sys.stderr)
             server.stop()
+            write_trace(trace, args.trace)
             return 1
     print(f"refserve: {signal.Signals(signals[0]).name}: draining (up to "
           f"{options.shutdown_timeout:g} s for {len(server.request_ids)} running request(s))",
@@ -171,7 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     left = http.drain()
     print(f"refserve: stopped ({left} request(s) ended unfinished)", file=sys.stderr,
           flush=True)
+    write_trace(trace, args.trace)
     return 0
+
+
+def write_trace(trace, path) -> None:
+    """After the engine loop stopped: nothing steps while the file is written."""
+    if trace is None:
+        return
+    try:
+        trace.write(path)
+        print(f"refserve: trace written to {path}", file=sys.stderr, flush=True)
+    except OSError as e:
+        print(f"error: --trace {path}: cannot write it ({e.strerror})", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from refserve.entrypoints.cli_common import (
     CLIError,
     RawDescriptionHelpFormatter,
     check_output_path,
+    json_object,
 )
 from refserve.simulator.report import downsample, latency_table, plot, usd_per_million
 
@@ -98,18 +99,27 @@ def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--num-gpu-blocks-override", type=int, default=None)
     e.add_argument("--dtype", default="auto", choices=DTYPES)
+    e.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help="vLLM's dict, e.g. '{\"method\": \"ngram\", "
+                   "\"num_speculative_tokens\": 4}'; a draft_model is \"self\" (with "
+                   "num_draft_layers), a preset or a config.json")
     r = p.add_argument_group("engine: refserve's own")
     r.add_argument("--batching", default="continuous", choices=BATCHING)
     r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS)
     r.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3,
                    help="KV pool of --gpu this-machine (the NumPy backend's knob)")
+    r.add_argument("--spec-alpha", type=float, default=0.7, metavar="ALPHA",
+                   help="with --speculative-config: the probability that each draft is "
+                   "accepted, for requests whose workload sets none (refserve/simulator/"
+                   "outputs.py)")
 
 
 def engine_config(args, **overrides) -> EngineConfig:
     fields = dict(
         max_model_len=args.max_model_len, num_gpu_blocks_override=args.num_gpu_blocks_override,
         dtype=args.dtype, batching=args.batching, kv_cache_layout=args.kv_cache_layout,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        speculative_config=args.speculative_config)
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                  "gpu_memory_utilization", "enable_prefix_caching"):
         if hasattr(args, name):
@@ -166,11 +176,13 @@ def make_requests(args, model, max_model_len: int, rate: float, seed: int | None
         raise CLIError(str(e)) from None
 
 
-def build_engine(model, gpu, config: EngineConfig, tensor_parallel_size: int):
+def build_engine(model, gpu, config: EngineConfig, tensor_parallel_size: int,
+                 spec_alpha: float = 0.7, seed: int = 0):
     from refserve.simulator.engine import SimulatedEngine
 
     try:
-        return SimulatedEngine(model, gpu, config, tensor_parallel_size=tensor_parallel_size)
+        return SimulatedEngine(model, gpu, config, tensor_parallel_size=tensor_parallel_size,
+                               spec_alpha=spec_alpha, spec_seed=seed)
     except (ValueError, NotImplementedError) as e:
         raise CLIError(str(e)) from None
 
@@ -210,7 +222,8 @@ def run(args) -> int:
     check_out_paths(args)
     model, gpu = load_hardware(args)
     config = engine_config(args)
-    engine = build_engine(model, gpu, config, args.tensor_parallel_size)
+    engine = build_engine(model, gpu, config, args.tensor_parallel_size, args.spec_alpha,
+                          args.seed)
     requests = make_requests(args, model, engine.max_model_len, args.rate)
     try:
         engine.check_requests(requests)
@@ -255,6 +268,9 @@ def run(args) -> int:
         "config": {k: getattr(config, k) for k in (
             "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
             "enable_prefix_caching", "batching", "kv_cache_layout")},
+        "speculative_config": (None if config.speculative_config is None
+                               else vars(config.speculative_config)),
+        "spec_alpha": args.spec_alpha if config.speculative_config is not None else None,
         "num_blocks": engine.num_blocks, "max_model_len": engine.max_model_len,
         "workload": {"name": None if args.replay else args.workload,
                      "replay": None if args.replay is None else str(args.replay),

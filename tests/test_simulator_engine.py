@@ -55,10 +55,11 @@ def test_the_simulator_runs_the_real_scheduler_and_kv_cache_manager():
 
 
 def test_nothing_below_the_top_floor_imports_the_simulator():
-    """The simulator sits beside the command lines: only they (and the bench) import it."""
+    """The simulator sits beside the command lines: only they (and the bench) import it
+    (generate and serve for --trace's recorder)."""
     root = Path(refserve.__file__).parent
     allowed = ("refserve/simulator/", "refserve/simulate.py", "refserve/plan.py",
-               "refserve/bench/")
+               "refserve/bench/", "refserve/generate.py", "refserve/serve.py")
     for path in root.rglob("*.py"):
         rel = path.relative_to(root.parent).as_posix()
         if rel.startswith(allowed):
@@ -210,9 +211,10 @@ def test_bad_requests_are_refused_before_anything_runs():
     assert engine.scheduler.num_steps == 0
     with pytest.raises(ValueError, match="twice"):
         engine.run([SimRequest("a", 0.0, [1000], [1]), SimRequest("a", 1.0, [1000], [1])])
-    with pytest.raises(NotImplementedError, match="phase 2"):
+    with pytest.raises(ValueError, match="spec_alpha"):
         SimulatedEngine(MODEL, H100, EngineConfig(
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+            spec_alpha=-0.1)
 
 
 def test_a_roofline_cost_model_is_the_default():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from refserve.bench.common import ms, print_table, pyplot, save_figure
+from refserve.bench.common import ms, print_table, pyplot, save_figure, traced
 from refserve.bench.workloads import Workload, make_workload
 from refserve.sampling import SamplingParams
 
@@ -181,7 +181,7 @@ def run(args) -> dict:
 
     common = dict(model=args.model, max_num_seqs=args.max_running, progress=False,
                   max_num_batched_tokens=args.max_num_batched_tokens)
-    cont = LLM(**common)
+    cont = traced(args, LLM(**common), "continuous")
     vocab = cont.engine.model.config.vocab_size
     wl = make_workload(args.num_requests, args.seed, vocab, mean_output=args.mean_output)
     print(f"workload: {len(wl.prompts)} requests, prompts {min(map(len, wl.prompts))}-"
@@ -189,7 +189,7 @@ def run(args) -> dict:
           f"{max(wl.output_lens)} (mean {np.mean(wl.output_lens):.0f}), greedy, ignore_eos, "
           f"max {args.max_running} running", flush=True)
     rows = [run_refserve(cont, wl, "refserve continuous")]
-    static = LLM(batching="static", **common)
+    static = traced(args, LLM(batching="static", **common), "static")
     rows.append(run_refserve(static, wl, "refserve static"))
     assert rows[1]["outputs"] == rows[0]["outputs"], "static and continuous outputs differ"
     if not args.no_hf:

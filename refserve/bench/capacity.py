@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from refserve import capacity as capmath
-from refserve.bench.common import print_table, pyplot, save_figure
+from refserve.bench.common import print_table, pyplot, save_figure, traced
 from refserve.bench.corpus import passage
 from refserve.sampling import SamplingParams
 
@@ -46,6 +46,7 @@ def _measure(args, pool: int) -> dict:
     engine = LLMEngine(model=args.model, num_gpu_blocks_override=pool, max_num_seqs=1024,
                        enable_prefix_caching=False, progress=False,
                        max_model_len=args.prompt_tokens + args.output_tokens + 16)
+    traced(args, engine, f"pool {pool} blocks")
     bs = engine.block_size
     kept = args.prompt_tokens + args.output_tokens - 1
     per_seq = capmath.blocks_for_tokens(kept, bs)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from refserve.bench.common import ms, percentiles, print_table, pyplot, save_figure
+from refserve.bench.common import ms, percentiles, print_table, pyplot, save_figure, traced
 from refserve.bench.corpus import QUESTIONS, passage
 from refserve.sampling import SamplingParams
 
@@ -59,6 +59,7 @@ def _run_one(args, chunking: bool) -> dict:
     engine = LLMEngine(model=args.model, max_num_batched_tokens=budget,
                        enable_prefix_caching=False, progress=False,
                        max_model_len=max(args.long_prompt_tokens + 64, 2048))
+    traced(args, engine, "chunked" if chunking else "unchunked")
     source = ("longer than the prompt" if not chunking else "--budget" if budget else
               f"the {engine.backend.name} default")
     budget = engine.config.max_num_batched_tokens   # None resolved by the engine

@@ -17,6 +17,8 @@ from refserve.entrypoints.cli_common import (
 
 SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
              "roofline", "loadtest")
+# The scenarios that step an engine in this process: --trace records their timelines.
+TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity")
 
 
 class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -38,6 +40,9 @@ def build_parser() -> ArgumentParser:
         s.add_argument("--quick", action="store_true", help="a small workload (CI smoke run)")
         s.add_argument("--json", type=Path, help="write all numbers here")
         s.add_argument("--plot", type=Path, help="write a PNG chart here (matplotlib)")
+        if name in TRACED:
+            s.add_argument("--trace", type=Path, help="write every engine's timeline here "
+                           "(Chrome trace-event JSON: https://ui.perfetto.dev)")
         module.add_arguments(s)
         s.set_defaults(module=module, parser=s)
     return p
@@ -56,13 +61,18 @@ def main(argv: list[str] | None = None) -> int:
                 not isinstance(value, (list, tuple)) and value <= 0):
             args.parser.error(f"--{name.replace('_', '-')} must be > 0")
     try:  # before the run, which may take minutes: its results must have somewhere to go
-        for flag in ("json", "plot"):
-            if getattr(args, flag) is not None:
+        for flag in ("json", "plot", "trace"):
+            if getattr(args, flag, None) is not None:
                 check_output_path(getattr(args, flag), f"--{flag}")
     except CLIError as e:
         args.parser.error(str(e))
     if args.plot is not None:
         pyplot()  # matplotlib is there (or one `error:` line now, not after the run)
+    args.tracer = None
+    if getattr(args, "trace", None) is not None:
+        from refserve.simulator.trace import EngineTrace
+
+        args.tracer = EngineTrace()
     machine = machine_info()
     print(f"machine: {machine_line(machine)}\ncommand: {args.command}", flush=True)
     try:
@@ -76,4 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json(result, args.json)
     if args.plot:
         module.plot(result, args.plot)
+    if args.tracer is not None:
+        args.tracer.write(args.trace)
+        print(f"trace: {args.trace} ({len(args.tracer.recorders)} engine(s); open it in "
+              "https://ui.perfetto.dev)")
     return 0

@@ -127,3 +127,10 @@ def save_figure(fig, result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot written to {path}")
+
+
+def traced(args, engine, label: str):
+    """With --trace, record `engine` (an LLMEngine or an LLM) into this run's timeline,
+    labelled (bench/cli.py writes the file at the end); returns `engine`."""
+    tracer = getattr(args, "tracer", None)
+    return engine if tracer is None else tracer.attach(engine, label)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from refserve.bench.common import print_table, pyplot, save_figure
+from refserve.bench.common import print_table, pyplot, save_figure, traced
 from refserve.bench.workloads import make_workload
 from refserve.capacity import blocks_for_tokens
 from refserve.sampling import SamplingParams
@@ -93,6 +93,7 @@ def run(args) -> dict:
     engine = LLMEngine(model=args.model, max_num_seqs=4 * args.max_running,
                        max_model_len=args.max_model_len, enable_prefix_caching=False,
                        progress=False)
+    traced(args, engine, "memory")
     vocab = engine.model.config.vocab_size
     wl = make_workload(args.num_requests, args.seed, vocab, prompt_range=args.prompt_range,
                        mean_output=args.mean_output,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from refserve.bench.batching import BATCH_COLS, run_refserve
-from refserve.bench.common import print_table, pyplot, save_figure
+from refserve.bench.common import print_table, pyplot, save_figure, traced
 from refserve.bench.workloads import make_workload
 
 HELP = "paged vs contiguous KV cache: wall time and the model forward"
@@ -31,11 +31,11 @@ def run(args) -> dict:
 
     common = dict(model=args.model, max_num_seqs=args.max_running, progress=False,
                   max_model_len=MAX_LEN, max_num_batched_tokens=args.max_num_batched_tokens)
-    paged = LLM(**common)
+    paged = traced(args, LLM(**common), "paged")
     vocab = paged.engine.model.config.vocab_size
     wl = make_workload(args.num_requests, args.seed, vocab, mean_output=args.mean_output)
     rows = [run_refserve(paged, wl, f"paged (block {paged.engine.block_size})")]
-    contiguous = LLM(kv_cache_layout="contiguous", **common)
+    contiguous = traced(args, LLM(kv_cache_layout="contiguous", **common), "contiguous")
     rows.append(run_refserve(contiguous, wl, f"contiguous ({MAX_LEN} slots/seq)"))
     assert rows[0]["outputs"] == rows[1]["outputs"], "paged and contiguous outputs differ"
     for r, llm in zip(rows, (paged, contiguous)):

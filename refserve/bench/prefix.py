@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from refserve.bench.common import ms, percentiles, print_table, pyplot, save_figure
+from refserve.bench.common import ms, percentiles, print_table, pyplot, save_figure, traced
 from refserve.bench.corpus import CHAT_TURNS, QUESTIONS, passage
 from refserve.sampling import SamplingParams
 
@@ -74,7 +74,9 @@ def run(args) -> dict:
 
     rows, texts = [], {}
     for caching in (True, False):
-        engine = LLMEngine(model=args.model, enable_prefix_caching=caching, progress=False)
+        engine = traced(args, LLMEngine(model=args.model, enable_prefix_caching=caching,
+                                        progress=False),
+                        f"prefix caching {'on' if caching else 'off'}")
         tok = engine.tokenizer
         if tok is None:
             raise ValueError("the prefix scenario needs a model with a tokenizer")

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from refserve.bench.common import print_table, pyplot, save_figure
+from refserve.bench.common import print_table, pyplot, save_figure, traced
 from refserve.bench.corpus import passage
 from refserve.sampling import SamplingParams
 
@@ -119,6 +119,8 @@ def run(args) -> dict:
     llms = {name: LLM(model=args.model, backend="numpy", progress=False,
                       speculative_config=spec)
             for name, spec in _systems(args).items()}
+    for name, llm in llms.items():
+        traced(args, llm, f"speculation {name}")
     tok = llms["none"].get_tokenizer()
     if tok is None or not getattr(tok, "chat_template", None):
         raise ValueError("the spec scenario needs a model with a chat template")

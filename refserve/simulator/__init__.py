@@ -7,6 +7,7 @@ replaced, by a roofline cost model of the step's composition on a GPU profile. M
     cost_model.py  the step time: roofline terms, fitted efficiencies (`fit`)
     workload.py    arrivals (Poisson, bursty), length distributions, shared prefixes, traces
     engine.py      `SimulatedEngine`: schedule, price, update; the real engine's metrics
+    outputs.py     what the "model" emits: the next tokens; speculation's drawn acceptance
     trace.py       Chrome trace-event JSON: a track per request and one for the steps
 
 Commands: `python -m refserve.simulate` (one configuration) and `python -m refserve.plan`
@@ -15,11 +16,12 @@ top floor beside the command lines: it imports the core, and no core module impo
 """
 
 from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition, fit
-from refserve.simulator.engine import SimResult, SimulatedEngine, SyntheticOutputs
+from refserve.simulator.engine import SimResult, SimulatedEngine
 from refserve.simulator.hardware import GpuProfile, ModelShape, load_gpu, load_model
+from refserve.simulator.outputs import SimulatedSpeculation, SyntheticOutputs
 from refserve.simulator.trace import TraceRecorder
 from refserve.simulator.workload import SimRequest, load_trace, make_workload
 
 __all__ = ["CostModel", "Efficiencies", "GpuProfile", "ModelShape", "SimRequest", "SimResult",
-           "SimulatedEngine", "StepComposition", "SyntheticOutputs", "TraceRecorder", "fit",
-           "load_gpu", "load_model", "load_trace", "make_workload"]
+           "SimulatedEngine", "SimulatedSpeculation", "StepComposition", "SyntheticOutputs",
+           "TraceRecorder", "fit", "load_gpu", "load_model", "load_trace", "make_workload"]

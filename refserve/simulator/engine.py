@@ -18,11 +18,11 @@ the virtual clock, cached tokens, preemptions) and per run `metrics.summarize`'s
 `RunSummary`: the same TTFT / TPOT / KV peak / prefix hit rate / slot-step numbers, printed
 by the same `format()`.
 
-The seam for speculative decoding (phase 2) is `SyntheticOutputs`: `propose` runs before
-`schedule()` (it will put k drafts on the running sequences, as the real proposer does) and
-`sample` returns a row's tokens (it will accept a geometric number of drafts with the
-request's acceptance rate alpha). The cost model already prices a verify row: q = k + 1
-query tokens, k + 1 logits rows.
+Speculative decoding (a speculative_config): `SimulatedSpeculation` (outputs.py) runs the
+real `Speculator` before `schedule(proposals)` and draws each verify row's accepted length
+from the request's acceptance rate alpha; the cost model prices the verify row (q = k + 1
+query tokens, k + 1 logits rows) and, for a draft model, the draft passes. The draft model's
+KV cache takes its share of the pool, split by bytes per token as in the real engine.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from refserve.scheduler import Scheduler, StaticScheduler
 from refserve.sequence import Sequence
 from refserve.simulator.cost_model import CostModel
 from refserve.simulator.hardware import GpuProfile, ModelShape
+from refserve.simulator.outputs import SimulatedSpeculation, SyntheticOutputs, draft_model_shape
 from refserve.simulator.workload import SimRequest
 
 
@@ -55,13 +56,20 @@ def resolve_dtype(dtype: str, gpu: GpuProfile, model: ModelShape) -> str:
 
 
 def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype: str,
-                 tensor_parallel_size: int, max_model_len: int, block_size: int
+                 tensor_parallel_size: int, max_model_len: int, block_size: int,
+                 draft: ModelShape | None = None, draft_has_own_weights: bool = False
                  ) -> tuple[int, str]:
     """(KV blocks per GPU, what sized them), by the real engine's rule (module docstring).
-    Raises ValueError when the weights do not fit or the pool cannot hold one sequence."""
+    With a `draft` model (its own weights too, unless it is the target's first layers) both
+    caches get the same number of
+    blocks (the memory split by bytes per token). Raises ValueError when the weights do not
+    fit or the pool cannot hold one sequence."""
     b = capacity.DTYPE_BYTES[dtype]
     tp = tensor_parallel_size
     bytes_per_block = capacity.kv_bytes_per_block(model.kv_bytes_per_token(b, tp), block_size)
+    if draft is not None:
+        bytes_per_block += capacity.kv_bytes_per_block(draft.kv_bytes_per_token(b, tp),
+                                                       block_size)
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
         knob = f"num_gpu_blocks_override={num_blocks}"
@@ -75,6 +83,8 @@ def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype
             activations = (tokens * (4 * model.hidden_size + 2 * model.intermediate_size) * b
                            // tp + min(tokens, config.max_num_seqs) * model.vocab_size * 4)
             weights = model.total_params * b // tp
+            if draft is not None and draft_has_own_weights:
+                weights += draft.total_params * b // tp
             try:
                 num_blocks = capacity.num_blocks_for_memory(
                     gpu.memory_bytes, config.gpu_memory_utilization,
@@ -91,19 +101,6 @@ def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype
             max_model_len, block_size))
     capacity.check_pool_holds_one_sequence(num_blocks, block_size, max_model_len, knob)
     return num_blocks, knob
-
-
-class SyntheticOutputs:
-    """What the "model" emits: each sampling row appends the request's next output token.
-
-    The simulator's only stand-in for the forward pass and the sampler. Phase 2 subclasses
-    it for speculative decoding (see the module docstring)."""
-
-    def propose(self, scheduler) -> None:
-        """Before schedule(): no drafts without speculation."""
-
-    def sample(self, row, request: SimRequest) -> list[int]:
-        return [request.output_token_ids[row.seq.num_output_tokens]]
 
 
 @dataclass
@@ -127,10 +124,13 @@ class SimResult:
 class SimulatedEngine:
     def __init__(self, model: ModelShape, gpu: GpuProfile, config: EngineConfig | None = None,
                  *, tensor_parallel_size: int = 1, cost_model=None,
-                 outputs: SyntheticOutputs | None = None, **kwargs) -> None:
+                 outputs: SyntheticOutputs | None = None, spec_alpha: float = 0.7,
+                 spec_seed: int = 0, **kwargs) -> None:
         """`config`: the real engine's EngineConfig (vLLM's knob names); or its fields as
         keywords. `cost_model`: anything with `step_time(out) -> seconds` (default: the
-        roofline CostModel of this model on tensor_parallel_size x gpu)."""
+        roofline CostModel of this model on tensor_parallel_size x gpu). With a
+        speculative_config, `spec_alpha` is the acceptance rate of requests that do not
+        set their own (SimRequest.spec_alpha) and `spec_seed` seeds the accept draws."""
         config = config or EngineConfig(**kwargs)
         # The budget defaults of the backend the profile stands for (config.py): a GPU runs
         # the CuPy backend's, "this machine" the NumPy backend's.
@@ -141,9 +141,9 @@ class SimulatedEngine:
             long_prefill_token_threshold=resolve_long_prefill_token_threshold(
                 config.long_prefill_token_threshold, config.max_num_batched_tokens is None,
                 budget, backend))
-        if config.speculative_config is not None:
-            raise NotImplementedError("the simulator does not speculate yet (phase 2 of "
-                                      "issue 18); drop speculative_config")
+        spec = config.speculative_config
+        if spec is not None and outputs is not None:
+            raise ValueError("give outputs= or a speculative_config, not both")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: must be >= 1")
         if gpu.kind == "host" and tensor_parallel_size > 1:
@@ -154,9 +154,11 @@ class SimulatedEngine:
         self.max_model_len = config.max_model_len or model.max_position_embeddings
         contiguous = config.kv_cache_layout == "contiguous"
         self.block_size = self.max_model_len if contiguous else config.block_size
+        draft = (draft_model_shape(spec, model)
+                 if spec is not None and spec.method == "draft_model" else None)
         self.num_blocks, self.pool_sized_by = size_kv_pool(
             model, gpu, config, self.dtype, tensor_parallel_size, self.max_model_len,
-            self.block_size)
+            self.block_size, draft, draft is not None and not spec.is_self_draft)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, self.block_size,
             enable_prefix_caching=config.enable_prefix_caching and not contiguous)
@@ -166,6 +168,10 @@ class SimulatedEngine:
             self.max_model_len, eos_token_id=model.eos_token_id,
             long_prefill_token_threshold=config.long_prefill_token_threshold)
         self.cost_model = cost_model or CostModel(model, gpu, self.dtype, tensor_parallel_size)
+        if spec is not None:
+            outputs = SimulatedSpeculation(spec, self.cost_model, self.max_model_len,
+                                           config.max_num_batched_tokens, spec_alpha,
+                                           spec_seed)
         self.outputs = outputs or SyntheticOutputs()
         self.clock = 0.0
         self.metrics: dict[str, RequestMetrics] = {}
@@ -178,7 +184,16 @@ class SimulatedEngine:
                 f"{self.config.max_num_batched_tokens}, prefix caching "
                 f"{'on' if self.kv_cache_manager.enable_prefix_caching else 'off'}, "
                 f"max_model_len {self.max_model_len}, tensor parallel "
-                f"{self.tensor_parallel_size}")
+                f"{self.tensor_parallel_size}" + self._describe_speculation())
+
+    def _describe_speculation(self) -> str:
+        spec = self.config.speculative_config
+        if spec is None:
+            return ""
+        draft = (f" {self.outputs.draft_model.name}" if spec.method == "draft_model" else "")
+        return (f" | speculative decoding {spec.method}{draft}, k = {spec.k}, adaptive "
+                f"{'on' if spec.adaptive else 'off'}, acceptance alpha "
+                f"{self.outputs.alpha:g} unless a request sets its own")
 
     def check_requests(self, requests: list[SimRequest]) -> None:
         """Raise ValueError naming the first request that could never run here."""
@@ -239,18 +254,20 @@ class SimulatedEngine:
                     break
                 now = requests[i].arrival_time  # idle until the next arrival
                 continue
-            outputs.propose(sched)
-            out = sched.schedule()  # raises if it could schedule nothing
+            proposals, draft_seconds = outputs.propose(sched.running, request_of)
+            out = sched.schedule(proposals)  # raises if it could schedule nothing
             used = kv.num_held_blocks  # fullest now: nothing retired yet
             peak = max(peak, used)
             t_start = now
-            now = self.clock = now + step_time(out)
+            now = self.clock = now + draft_seconds + step_time(out)
             sampled = {}
             for row in out.scheduled:
                 if row.num_logits and not row.is_padding:
                     seq = row.seq
                     sampled[seq.seq_id] = outputs.sample(row, request_of[seq.seq_id])
-            retired = sched.update(out, sampled).retired
+            update = sched.update(out, sampled)
+            outputs.observe(update)
+            retired = update.retired
             for row in out.scheduled:
                 seq = row.seq
                 if seq.seq_id in sampled:
@@ -258,6 +275,11 @@ class SimulatedEngine:
                     m = metrics[seq.request_id]
                     if m.first_token_time is None:
                         m.first_token_time = now
+                    verified = update.verified.get(seq.seq_id)
+                    if verified is not None:  # output_processor._count_pass's counts
+                        m.num_spec_verify_steps += 1
+                        m.num_spec_proposed += verified[0]
+                        m.num_spec_accepted += verified[1]
             if recorder is not None:
                 recorder.step(t_start, now, out, kv_blocks_used=used,
                               kv_blocks_total=kv.num_blocks, num_waiting=sched.num_waiting)
@@ -288,6 +310,8 @@ class SimulatedEngine:
             "kv_blocks_total": kv.num_blocks,
             "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens})
+        if self.config.speculative_config is not None:
+            summary.speculative_method = self.config.speculative_config.method
         return SimResult(metrics, summary, timeline, sched.num_steps, wall, stopped)
 
     @staticmethod

@@ -16,8 +16,12 @@ blocks used) and counters for running, waiting and KV blocks.
 
 `TraceRecorder` takes events, not engines: `arrive(request_id, t)`, `step(t_start, t_end,
 out, ...)` with the scheduler's `SchedulerOutput`, `finish(request_id, t)`. The simulator
-feeds it; the real engine can feed the same calls with time.perf_counter() times (pass
-`origin` = the first arrival) without importing the simulator.
+feeds it; `EngineTrace` feeds the same calls from real engines (`LLMEngine.observer`, with
+time.perf_counter() times; the engine does not import this module), one recorder per
+engine, all in one file: a bench scenario that runs several engines shows each as its own
+pair of processes ("engine: LABEL", "requests: LABEL") on one time axis, from the first
+arrival. A request of the real engine finishes at its `metrics.finish_time`, so its spans
+add up to finish_time - arrival_time; an aborted request's last span runs to the end.
 """
 
 from __future__ import annotations
@@ -42,8 +46,12 @@ class _Track:
 
 
 class TraceRecorder:
-    def __init__(self, origin: float = 0.0) -> None:
-        self.origin = origin
+    def __init__(self, origin: float = 0.0, label: str | None = None, index: int = 0) -> None:
+        """`label` / `index`: the process names' suffix and this recorder's place when
+        several share one file (`write_traces`)."""
+        self.origin, self.label = origin, label
+        self._engine_pid = _ENGINE_PID + 2 * index
+        self._requests_pid = _REQUESTS_PID + 2 * index
         self._tracks: dict[str, _Track] = {}
         self._running: set[str] = set()       # requests in prefill / decode / stalled
         self._request_of: dict[int, str] = {}  # seq_id -> request_id
@@ -55,8 +63,14 @@ class TraceRecorder:
     # ---- events ------------------------------------------------------------------------
 
     def arrive(self, request_id: str, t: float) -> None:
-        if request_id in self._tracks:
-            raise ValueError(f"trace: request {request_id!r} arrived twice")
+        """A request id may come back once its earlier request finished (a server's
+        client reusing one): the earlier track is kept as "ID #1", "ID #2", ..."""
+        old = self._tracks.get(request_id)
+        if old is not None:
+            if old.finished is None:
+                raise ValueError(f"trace: request {request_id!r} arrived twice")
+            n = sum(k.startswith(f"{request_id} #") for k in self._tracks) + 1
+            self._tracks[f"{request_id} #{n}"] = self._tracks.pop(request_id)
         self._tracks[request_id] = _Track(len(self._tracks) + 1, t, "waiting", t)
         self._end = max(self._end, t)
 
@@ -91,7 +105,7 @@ class TraceRecorder:
         rows = len(scheduled)
         self._steps.append({
             "name": f"step {out.step}: {rows - decode_rows} prefill + {decode_rows} decode",
-            "ph": "X", "pid": _ENGINE_PID, "tid": 0, "ts": self._us(t_start),
+            "ph": "X", "pid": self._engine_pid, "tid": 0, "ts": self._us(t_start),
             "dur": self._us(t_end) - self._us(t_start),
             "args": {"rows": rows, "tokens": out.num_batched_tokens,
                      "prefill_tokens": prefill_tokens, "decode_rows": decode_rows,
@@ -101,10 +115,11 @@ class TraceRecorder:
         if counts != self._last_counts:
             self._last_counts = counts
             ts = self._us(t_start)
-            self._counters.append({"name": "sequences", "ph": "C", "pid": _ENGINE_PID,
+            self._counters.append({"name": "sequences", "ph": "C", "pid": self._engine_pid,
                                    "ts": ts, "args": {"scheduled": rows,
                                                       "waiting": num_waiting}})
-            self._counters.append({"name": "KV blocks used", "ph": "C", "pid": _ENGINE_PID,
+            self._counters.append({"name": "KV blocks used", "ph": "C",
+                                   "pid": self._engine_pid,
                                    "ts": ts, "args": {"blocks": kv_blocks_used}})
         self._end = max(self._end, t_end)
 
@@ -130,19 +145,21 @@ class TraceRecorder:
         return spans if with_args else [span[:3] for span in spans]
 
     def to_json(self) -> dict:
-        events = [{"name": "process_name", "ph": "M", "pid": _ENGINE_PID,
-                   "args": {"name": "engine"}},
-                  {"name": "thread_name", "ph": "M", "pid": _ENGINE_PID, "tid": 0,
+        suffix = f": {self.label}" if self.label else ""
+        events = [{"name": "process_name", "ph": "M", "pid": self._engine_pid,
+                   "args": {"name": "engine" + suffix}},
+                  {"name": "thread_name", "ph": "M", "pid": self._engine_pid, "tid": 0,
                    "args": {"name": "steps"}},
-                  {"name": "process_name", "ph": "M", "pid": _REQUESTS_PID,
-                   "args": {"name": "requests"}}]
+                  {"name": "process_name", "ph": "M", "pid": self._requests_pid,
+                   "args": {"name": "requests" + suffix}}]
         events += self._steps + self._counters
         for rid, track in self._tracks.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": _REQUESTS_PID,
+            events.append({"name": "thread_name", "ph": "M", "pid": self._requests_pid,
                            "tid": track.tid, "args": {"name": rid}})
             for state, a, b, args in self.spans(rid, with_args=True):
                 start = self._us(a)
-                event = {"name": state, "cat": "request", "ph": "X", "pid": _REQUESTS_PID,
+                event = {"name": state, "cat": "request", "ph": "X",
+                         "pid": self._requests_pid,
                          "tid": track.tid, "ts": start, "dur": self._us(b) - start}
                 if args:
                     event["args"] = args
@@ -150,7 +167,7 @@ class TraceRecorder:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
+        write_traces(path, [self])
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -169,3 +186,60 @@ class TraceRecorder:
     def _close(track: _Track, t: float) -> None:
         if t > track.since:  # zero-length spans (scheduled on arrival) are left out
             track.spans.append((track.state, track.since, t, track.args))
+
+
+def write_traces(path: Path, recorders: list[TraceRecorder]) -> None:
+    """Several recorders (give each its own `index`) in one Chrome trace-event file."""
+    events = [e for r in recorders for e in r.to_json()["traceEvents"]]
+    doc = {"traceEvents": events, "displayTimeUnit": "ms"}
+    Path(path).write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+
+
+class EngineTrace:
+    """`--trace` for real engines: `attach(engine, label)` makes a recorder the engine's
+    observer (LLMEngine.observer: arrive / step); `write(path)` writes them all. Times are
+    the engine's time.perf_counter() ones, relative to the first arrival of any engine."""
+
+    def __init__(self) -> None:
+        self.recorders: list[TraceRecorder] = []
+        self._origin: float | None = None
+
+    def attach(self, engine, label: str | None = None):
+        """Trace `engine` (an LLMEngine, or an LLM: its llm_engine) from now on; returns
+        what it was given."""
+        target = getattr(engine, "llm_engine", engine)
+        recorder = TraceRecorder(0.0, label, len(self.recorders))
+        self.recorders.append(recorder)
+        target.observer = _Observer(self, recorder, target)
+        return engine
+
+    def write(self, path: Path) -> None:
+        write_traces(path, self.recorders)
+
+    def _first_arrival(self, t: float) -> None:
+        if self._origin is None:
+            self._origin = t
+            for r in self.recorders:
+                r.origin = r._end = t
+
+
+class _Observer:
+    """One engine's observer: the engine's calls, translated into TraceRecorder events."""
+
+    def __init__(self, trace: EngineTrace, recorder: TraceRecorder, engine) -> None:
+        self.trace, self.recorder = trace, recorder
+        self.kv, self.scheduler = engine.kv_cache_manager, engine.scheduler
+
+    def arrive(self, request_id: str, t: float) -> None:
+        self.trace._first_arrival(t)
+        self.recorder.arrive(request_id, t)
+
+    def step(self, t_start, t_end, out, update, outputs) -> None:
+        # KV blocks after the step (retired sequences' blocks already freed); the
+        # simulator samples them before the retirements.
+        self.recorder.step(t_start, t_end, out, kv_blocks_used=self.kv.num_held_blocks,
+                           kv_blocks_total=self.kv.num_blocks,
+                           num_waiting=self.scheduler.num_waiting)
+        for o in outputs:
+            if o.finished:
+                self.recorder.finish(o.request_id, o.metrics.finish_time)

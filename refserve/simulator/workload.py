@@ -45,12 +45,15 @@ SYSTEM_PROMPT_TOKENS = 1500
 @dataclass
 class SimRequest:
     """One request: it arrives at `arrival_time` (s), sends `prompt_token_ids` and is
-    answered with exactly `output_token_ids` (its max_tokens is their number)."""
+    answered with exactly `output_token_ids` (its max_tokens is their number). With
+    speculative decoding each of its drafts is accepted with probability `spec_alpha`
+    (None: the engine's default, --spec-alpha; refserve/simulator/outputs.py)."""
 
     request_id: str
     arrival_time: float
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    spec_alpha: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -208,11 +211,12 @@ def load_trace(path: Path, *, vocab_size: int, max_model_len: int, seed: int = 0
         {"timestamp": 0.0, "prompt_tokens": 512, "output_tokens": 128}
         {"timestamp": 0.4, "prompt_token_ids": [...], "output_tokens": 64, "request_id": "a"}
         {"timestamp": 0.9, "prompt_tokens": 300, "output_tokens": 50,
-         "prefix_id": "sys", "prefix_tokens": 200}
+         "prefix_id": "sys", "prefix_tokens": 200, "spec_alpha": 0.8}
 
     timestamp: seconds (any start, any order); prompt_tokens: synthetic ids are drawn for
     it; prefix_id / prefix_tokens: requests naming the same prefix_id start with the same
-    prefix_tokens ids (shared system prompts, so prefix caching hits). With `rate`, the
+    prefix_tokens ids (shared system prompts, so prefix caching hits); spec_alpha: this
+    request's draft acceptance rate under speculative decoding. With `rate`, the
     timestamps are rescaled so that requests arrive at that mean rate.
     """
     path = Path(path)
@@ -242,7 +246,11 @@ def load_trace(path: Path, *, vocab_size: int, max_model_len: int, seed: int = 0
             raise ValueError(f"{where}: needs \"output_tokens\", an integer >= 1")
         prompt = _trace_prompt(rec, where, tokens, prefixes, vocab_size)
         rid = str(rec.get("request_id", f"trace-{len(specs)}"))
-        specs.append((float(t), rid, prompt, tokens(out)))
+        alpha = rec.get("spec_alpha")
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(
+                alpha, (int, float)) or not 0.0 <= alpha <= 1.0):
+            raise ValueError(f"{where}: \"spec_alpha\" must be a number in [0, 1]")
+        specs.append((float(t), rid, prompt, tokens(out), alpha))
     if not specs:
         raise ValueError(f"trace {path} holds no requests")
     specs.sort(key=lambda s: s[0])
@@ -253,9 +261,10 @@ def load_trace(path: Path, *, vocab_size: int, max_model_len: int, seed: int = 0
         if len(specs) > 1 and span > 0:
             scale = (len(specs) - 1) / rate / span
     requests = []
-    for t, rid, prompt, output in specs:
+    for t, rid, prompt, output, alpha in specs:
         prompt, output = _fit(prompt, output, max_model_len)
-        requests.append(SimRequest(rid, (t - start) * scale, prompt, output))
+        requests.append(SimRequest(rid, (t - start) * scale, prompt, output,
+                                   None if alpha is None else float(alpha)))
     if len({r.request_id for r in requests}) != len(requests):
         raise ValueError(f"trace {path}: request_id values repeat")
     return requests
