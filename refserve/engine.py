@@ -43,6 +43,7 @@ from refserve.config import (
 from refserve.detokenizer import IncrementalDetokenizer
 from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
+from refserve.logits_processors import bad_words_token_ids
 from refserve.metrics import RequestMetrics
 from refserve.model_runner import ModelRunner
 from refserve.models.loader import load_tokenizer, resolve_model_path
@@ -101,6 +102,7 @@ class LLMEngine:
         self.dtype = self.backend.resolve_dtype(config.dtype)
         self.model = load_model(self.model_path, self.backend, self.dtype)
         self.tokenizer = load_tokenizer(self.model_path)
+        self._token_text: dict[int, str] = {}
         mc = self.model.config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -258,8 +260,23 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids contains {len(bad)} unknown token id(s), "
                              f"e.g. {bad[0]!r}; valid ids are 0..{vocab - 1}")
+        sampling_params.check_vocab(vocab)
+        self.bad_words_token_ids(sampling_params)          # refused now, not mid-run
+        keep = sampling_params.truncate_prompt_tokens
+        if keep is not None:        # vLLM's left truncation; -1: the last max_model_len
+            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
         self.scheduler.check_fits(len(token_ids), sampling_params.n)
         return [int(t) for t in token_ids]
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """`params.bad_words` as token sequences (logits_processors.py, rule b); ValueError
+        naming the field when there is no tokenizer to read them."""
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError(f"SamplingParams.bad_words={params.bad_words!r}: the model "
+                             f"{self.model_path} has no tokenizer to turn words into tokens")
+        return bad_words_token_ids(params.bad_words, self.tokenizer)
 
     def add_request(self, request_id: str | None, prompt,
                     params: SamplingParams | None = None,
@@ -285,9 +302,11 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = score_prompt(self, token_ids, params.prompt_logprobs)
         seq = Sequence(request_id, token_ids, params, now)
+        seq.bad_words_token_ids = self.bad_words_token_ids(params)
         # The stop rules grow the text token by token (scheduler/stop_rules.py).
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if self.tokenizer is not None and params.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                     params.spaces_between_special_tokens)
         self.scheduler.add_sequence(seq)  # gives the sequence its id
         req.seqs.append(seq)
         req.generators[seq.seq_id] = make_generator(seed, 0)
@@ -314,7 +333,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def decode_token(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        """One token's text (Logprob.decoded_token), remembered: logprobs=-1 asks for every
+        token of the vocabulary at every step."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
@@ -430,13 +456,14 @@ class LLMEngine:
                      generators: list[np.random.Generator], logprobs_out: dict,
                      keys: list | None = None) -> list[int]:
         """The Sampler on one logits row per sequence, given what its logits processors
-        read (each sequence's prompt and output ids, EOS: min_tokens and penalties). Rows
+        read (each sequence's prompt and output ids, EOS, bad-word tokens). Rows
         asking for logprobs put theirs in `logprobs_out[key]` (key: seq_id, or (parent
         seq_id, child index) for a child's first token)."""
         params = [s.sampling_params for s in seqs]
         context = dict(prompt_token_ids=[s.prompt_token_ids for s in seqs],
                        output_token_ids=[s.output_token_ids for s in seqs],
-                       eos_token_id=self.eos_token_id)
+                       eos_token_id=self.eos_token_id,
+                       bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
         if all(p.logprobs is None for p in params):
             return self.sampler.sample(logits, params, generators, **context)
         out = self.sampler.sample_with_logprobs(logits, params, generators,

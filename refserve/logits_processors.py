@@ -3,6 +3,13 @@
 They run on the raw logits, in vLLM's order, before temperature and before greedy argmax
 (so they change greedy output too):
 
+a. allowed_token_ids: every token NOT in the list gets logit -inf (a whitelist).
+b. bad_words: each bad word is tokenized once per request, as it would appear at the start
+   of the text and after a space (`bad_words_token_ids`, vLLM's rule: the spaced form only
+   when it is a different token sequence of the same length). For each such sequence
+   w_1..w_m: if the output so far ends with w_1..w_{m-1} (always, for m = 1), w_m gets -inf.
+   So the word can never be completed; its first tokens alone stay allowed.
+c. logit_bias: logit'[t] = logit[t] + bias[t] (OpenAI's: -100 bans a token in practice).
 1. min_tokens: while fewer than `min_tokens` tokens were generated, EOS (unless ignore_eos)
    and every `stop_token_ids` entry get logit -inf, so the sequence cannot end yet.
 2. repetition penalty r (HF / vLLM, CTRL paper): for every token that occurs in the prompt
@@ -23,6 +30,47 @@ from collections.abc import Sequence
 import numpy as np
 
 from refserve.sampling_params import SamplingParams
+
+
+def apply_allowed_token_ids(row: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Rule a: only `allowed_token_ids` keep their logits (ids past the row are ignored)."""
+    keep = np.zeros(row.shape[-1], dtype=bool)
+    ids = [t for t in params.allowed_token_ids if t < row.shape[-1]]
+    keep[ids] = True
+    row[~keep] = -np.inf
+    return row
+
+
+def bad_words_token_ids(bad_words: Sequence[str], tokenizer) -> list[list[int]]:
+    """Rule b's token sequences: each word (leading spaces stripped) as it encodes at the
+    start of a text, and with one leading space when that gives a different first token
+    and the same number of tokens (a word-initial variant, not a split of the word)."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(list(bare))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(list(spaced))
+    return out
+
+
+def apply_bad_words(row: np.ndarray, token_ids: Sequence[Sequence[int]],
+                    output_token_ids: Sequence[int]) -> np.ndarray:
+    """Rule b: ban the token that would complete any bad-word sequence now."""
+    out = list(output_token_ids)
+    for seq in token_ids:
+        head = list(seq[:-1])
+        if len(head) <= len(out) and (not head or out[len(out) - len(head):] == head):
+            row[seq[-1]] = -np.inf
+    return row
+
+
+def apply_logit_bias(row: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Rule c: add each token's bias to its logit."""
+    ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
+    row[ids] += np.fromiter(params.logit_bias.values(), dtype=np.float32)
+    return row
 
 
 def apply_min_tokens(row: np.ndarray, params: SamplingParams, num_output_tokens: int,

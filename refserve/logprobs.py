@@ -18,7 +18,8 @@ Per position the result is a dict {token_id: Logprob}, as vLLM's `SampleLogprobs
 the chosen token first (the sampled token, or for prompt logprobs the prompt's next token),
 always present even when it is not among the top N, then the top N by logprob (ties by
 smaller token id). A token that is both appears once, so a dict has N or N + 1 entries.
-N = 0 reports only the chosen token.
+N = 0 reports only the chosen token; N = -1 (vLLM's) every token of the vocabulary, so the
+dict has exactly V entries and its probabilities sum to 1.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def compute_logprobs(logits: np.ndarray, token_ids: Sequence[int],
     top `num_logprobs` (one int for all rows, or one per row) tokens of that row.
 
     `decode`, when given, maps a token id to its text for `Logprob.decoded_token`.
+    A count of -1 means the whole vocabulary.
     """
     logits = np.asarray(logits, dtype=np.float32)
     if logits.ndim != 2 or len(token_ids) != len(logits):
@@ -71,7 +73,7 @@ def compute_logprobs(logits: np.ndarray, token_ids: Sequence[int],
     for i, (k, tok) in enumerate(zip(counts, token_ids.tolist())):
         out = {tok: Logprob(float(chosen_lp[i]), int(chosen_rank[i]),
                             decode(tok) if decode else None)}
-        k = min(k, vocab)
+        k = vocab if k < 0 else min(k, vocab)
         if k:
             # Every token at least as likely as the k-th (partition: O(V)), so ties at the
             # cut are all seen and the smaller ids win; ranks are counted among them.

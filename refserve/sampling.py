@@ -2,7 +2,8 @@
 
 For each row, with its sequence's `SamplingParams`:
 
-    x = logits after the logits processors (min_tokens, penalties: logits_processors.py)
+    x = logits after the logits processors (allowed_token_ids, bad_words, min_tokens,
+        logit_bias, penalties: logits_processors.py)
     greedy (temperature < 1e-5, vLLM's cut-off):  argmax(x)
     otherwise:   p = softmax(x / T)
                  min_p:  keep t with p[t] >= min_p * max(p)
@@ -49,7 +50,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refserve.logits_processors import apply_min_tokens, apply_penalties
+from refserve.logits_processors import (
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+)
 from refserve.logprobs import Logprob, compute_logprobs
 from refserve.sampling_params import GREEDY_BELOW, SamplingParams
 
@@ -112,14 +119,17 @@ class Sampler:
                generators: Sequence[np.random.Generator], *,
                prompt_token_ids: Sequence[Sequence[int]] | None = None,
                output_token_ids: Sequence[Sequence[int]] | None = None,
-               eos_token_id: int | None = None) -> list[int]:
+               eos_token_id: int | None = None,
+               bad_words_token_ids: Sequence[Sequence[Sequence[int]]] | None = None
+               ) -> list[int]:
         """One token id per row of `logits` [N, V].
 
         prompt_token_ids / output_token_ids (one list per row) are needed only by rows whose
-        params use penalties or min_tokens; eos_token_id only by min_tokens. The caller's
-        `logits` are never modified."""
+        params use penalties, min_tokens or bad_words; eos_token_id only by min_tokens;
+        bad_words_token_ids (per row, logits_processors.bad_words_token_ids) only by
+        bad_words. The caller's `logits` are never modified."""
         x = self.process_logits(logits, params, prompt_token_ids, output_token_ids,
-                                eos_token_id)
+                                eos_token_id, bad_words_token_ids)
         if not len(x):
             return []
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -152,26 +162,35 @@ class Sampler:
         return SamplerOutput(tokens, logprobs)
 
     def process_logits(self, logits, params, prompt_token_ids=None, output_token_ids=None,
-                       eos_token_id=None) -> np.ndarray:
-        """The logits after min_tokens and the penalties, as float32; a copy when any row
-        changes, else the caller's array itself."""
+                       eos_token_id=None, bad_words_token_ids=None) -> np.ndarray:
+        """The logits after the logits processors (in logits_processors.py's order), as
+        float32; a copy when any row changes, else the caller's array itself."""
         x = np.asarray(logits, dtype=np.float32)
         if x.ndim != 2 or len(x) != len(params):
             raise ValueError(f"Sampler: expected logits [N, V] with one row per params, got "
                              f"{x.shape} for {len(params)} params")
-        rows = [i for i, p in enumerate(params) if p.has_penalties or p.min_tokens]
+        rows = [i for i, p in enumerate(params) if p.rewrites_logits or p.min_tokens]
         if not rows:
             return x
         x = x.copy()
         for i in rows:
             p = params[i]
-            if output_token_ids is None or (p.repetition_penalty != 1.0
-                                            and prompt_token_ids is None):
-                raise ValueError("Sampler: SamplingParams with penalties or min_tokens need "
-                                 "output_token_ids (and prompt_token_ids for "
-                                 "repetition_penalty), one list per row")
+            needs_output = p.has_penalties or p.min_tokens or p.bad_words
+            if (needs_output and output_token_ids is None) or (
+                    p.repetition_penalty != 1.0 and prompt_token_ids is None) or (
+                    p.bad_words and bad_words_token_ids is None):
+                raise ValueError("Sampler: SamplingParams with penalties, min_tokens or "
+                                 "bad_words need output_token_ids (and prompt_token_ids for "
+                                 "repetition_penalty, bad_words_token_ids for bad_words), "
+                                 "one list per row")
+            if p.allowed_token_ids is not None:
+                apply_allowed_token_ids(x[i], p)
+            if p.bad_words:
+                apply_bad_words(x[i], bad_words_token_ids[i], output_token_ids[i])
             if p.min_tokens:
                 apply_min_tokens(x[i], p, len(output_token_ids[i]), eos_token_id)
+            if p.logit_bias:
+                apply_logit_bias(x[i], p)
             if p.has_penalties:
                 apply_penalties(x[i], p, prompt_token_ids[i] if prompt_token_ids else [],
                                 output_token_ids[i])

@@ -17,8 +17,22 @@
 | stop_token_ids | [] | token ids that end the sequence (besides EOS) |
 | include_stop_str_in_output | False | keep the matched stop string in the text |
 | ignore_eos | False | EOS does not end the sequence |
-| logprobs | None | per generated token: top-N logprobs plus the sampled token's (N <= 20) |
-| prompt_logprobs | None | per prompt token: top-N logprobs plus the prompt token's (N <= 20) |
+| logprobs | None | per output token: top-N logprobs plus the sampled token's (N <= 20; -1: all) |
+| prompt_logprobs | None | per prompt token: top-N logprobs plus that token's (N <= 20; -1: all) |
+| logit_bias | None | {token_id: bias}: added to that token's logit every step (before penalties) |
+| allowed_token_ids | None | only these token ids can be generated (every other logit is -inf) |
+| bad_words | None | words never generated: the token that would complete one gets logit -inf |
+| truncate_prompt_tokens | None | keep only the last k prompt tokens (k >= 1; -1: max_model_len) |
+| skip_special_tokens | True | special tokens (EOS, chat markers) add no text to the output |
+| spaces_between_special_tokens | True | False: no space between two adjacent special tokens |
+| detokenize | True | False: no output text at all (token ids only; stop strings then refused) |
+
+-1 for logprobs means every vocabulary entry at every position (a dict of V entries each
+step: costly, asked for explicitly). The logits processors (logit_bias, allowed_token_ids,
+bad_words, min_tokens, penalties) are in refserve/logits_processors.py; the three text
+options in refserve/detokenizer.py. Token
+ids are checked against the model's vocabulary when the request is added (the engine knows
+it, these params do not), with the same `SamplingParams.<field>=` message.
 
 Every field is checked for its type (TypeError) and its range (ValueError) at construction,
 with a message that starts `SamplingParams.<field>=<value>:`. Integers may be Python or NumPy
@@ -48,7 +62,10 @@ _SCALARS = {
     "presence_penalty": ("float", False), "frequency_penalty": ("float", False),
     "seed": ("int", True), "logprobs": ("int", True), "prompt_logprobs": ("int", True),
     "ignore_eos": ("bool", False), "include_stop_str_in_output": ("bool", False),
+    "truncate_prompt_tokens": ("int", True), "skip_special_tokens": ("bool", False),
+    "spaces_between_special_tokens": ("bool", False), "detokenize": ("bool", False),
 }
+ALL_VOCAB = -1          # logprobs / prompt_logprobs = -1: every token of the vocabulary
 
 
 def _is_int(v) -> bool:
@@ -80,6 +97,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,12 +142,38 @@ class SamplingParams:
               "must be an integer >= 0, or None / -1 for an unseeded request")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or 0 <= value <= MAX_LOGPROBS, name,
-                  f"must be None or an integer in 0..{MAX_LOGPROBS} (how many top tokens to "
-                  "report; vLLM's max_logprobs)")
+            check(value is None or value == ALL_VOCAB or 0 <= value <= MAX_LOGPROBS, name,
+                  f"must be None, an integer in 0..{MAX_LOGPROBS} (how many top tokens to "
+                  "report; vLLM's max_logprobs) or -1 (the whole vocabulary)")
         check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "token ids must be >= 0")
+        check(self.detokenize or not self.stop, "detokenize",
+              "stop strings need the text: detokenize=False cannot be used with stop "
+              "(vLLM's rule); use stop_token_ids instead")
+        check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1
+              or self.truncate_prompt_tokens == -1, "truncate_prompt_tokens",
+              "must be None, an integer >= 1 (keep the last k prompt tokens) or -1 (the last "
+              "max_model_len)")
+        check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+              "allowed_token_ids", "must be None or a non-empty list (an empty one would "
+              "allow no token at all)")
+        for name in ("allowed_token_ids", "logit_bias"):
+            ids = getattr(self, name) or ()
+            check(all(t >= 0 for t in ids), name, "token ids must be >= 0")
+        check(all(np.isfinite(b) for b in (self.logit_bias or {}).values()), "logit_bias",
+              "biases must be finite numbers (-100 bans a token in practice, +100 forces it)")
+        check(all(w.strip() for w in self.bad_words or ()), "bad_words",
+              "bad words must be non-empty, non-blank strings")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token-id fields against the model's vocabulary (0..vocab_size-1), as vLLM's
+        input processor checks them; ValueError naming the field."""
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            bad = sorted(t for t in getattr(self, name) or () if t >= vocab_size)
+            if bad:
+                raise self._error(ValueError, name, f"token id {bad[0]} is outside the "
+                                  f"vocabulary (valid ids are 0..{vocab_size - 1})")
 
     def _check_types(self) -> None:
         for name, (kind, nullable) in _SCALARS.items():
@@ -165,6 +215,25 @@ class SamplingParams:
         else:
             raise self._error(TypeError, "stop_token_ids",
                               "must be a list of integer token ids or None")
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not (isinstance(ids, (list, tuple, set, frozenset, np.ndarray))
+                    and np.ndim(list(ids)) == 1 and all(_is_int(t) for t in ids)):
+                raise self._error(TypeError, "allowed_token_ids",
+                                  "must be a list of integer token ids or None")
+            self.allowed_token_ids = sorted({int(t) for t in ids})
+        bias = self.logit_bias
+        if bias is not None:
+            if not (isinstance(bias, dict) and all(_is_int(t) for t in bias)
+                    and all(_is_real(b) for b in bias.values())):
+                raise self._error(TypeError, "logit_bias",
+                                  "must be a dict {token_id (int): bias (number)} or None")
+            self.logit_bias = {int(t): float(b) for t, b in bias.items()}
+        words = self.bad_words
+        if words is not None:
+            if not (isinstance(words, (list, tuple)) and all(isinstance(w, str) for w in words)):
+                raise self._error(TypeError, "bad_words", "must be a list of strings or None")
+            self.bad_words = list(words)
 
     # ---- derived values ----------------------------------------------------------------
 
@@ -172,6 +241,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0 (below 1e-5, as vLLM): argmax, no random draw."""
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def rewrites_logits(self) -> bool:
+        """Whether a logits processor other than min_tokens changes this request's logits at
+        every step (penalties, logit_bias, allowed_token_ids, bad_words). Such rows are
+        sampled on the host and never speculate (the verify step does not apply them)."""
+        return (self.has_penalties or bool(self.logit_bias)
+                or self.allowed_token_ids is not None or bool(self.bad_words))
 
     @property
     def has_penalties(self) -> bool:

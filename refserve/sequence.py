@@ -66,6 +66,8 @@ class Sequence:
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.detokenizer: IncrementalDetokenizer | None = None
+        # The request's bad_words as token sequences (logits_processors.py), set by the engine.
+        self.bad_words_token_ids: list[list[int]] = []
         self.stop_reason: int | str | None = None  # the stop string or stop token id
         self.output_text_end: int | None = None  # the visible text ends here (a stop)
         # Parallel sampling (n > 1): the index of this child, and whether this sequence is
@@ -113,6 +115,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.detokenizer = None if self.detokenizer is None else self.detokenizer.copy()
+        child.bad_words_token_ids = self.bad_words_token_ids
         child.awaiting_fork = False
         child.first_token_time = self.first_token_time
         return child

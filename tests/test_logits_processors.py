@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from refserve.logits_processors import apply_min_tokens, apply_penalties
+from refserve.logits_processors import (
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    bad_words_token_ids,
+)
 from refserve.sampling import Sampler, SamplingParams, make_generator
 
 ROW = np.array([2.0, -2.0, 1.0, 0.5, -0.5, 3.0], dtype=np.float32)
@@ -90,3 +97,75 @@ def test_sampler_asks_for_the_token_history_it_needs():
     with pytest.raises(ValueError, match="prompt_token_ids"):
         Sampler().sample(ROW[None], [SamplingParams(repetition_penalty=1.2)],
                          [make_generator(0)], output_token_ids=[[1]])
+
+
+# ---- vLLM's allowed_token_ids, bad_words, logit_bias --------------------------------------
+
+def test_allowed_token_ids_keep_only_those_logits():
+    got = apply_allowed_token_ids(ROW.copy(), SamplingParams(allowed_token_ids=[1, 3]))
+    np.testing.assert_array_equal(got[[1, 3]], ROW[[1, 3]])
+    assert np.all(np.isneginf(np.delete(got, [1, 3])))
+
+
+def test_logit_bias_adds_to_those_logits_only():
+    got = apply_logit_bias(ROW.copy(), SamplingParams(logit_bias={0: -1.5, 4: 2.0}))
+    np.testing.assert_array_equal(got, ROW + np.array([-1.5, 0, 0, 0, 2.0, 0], np.float32))
+
+
+@pytest.mark.parametrize("output,banned", [
+    ([], {5}),                 # a one-token word is banned everywhere
+    ([7], {5}),                # [3, 1]'s head 3 is not the last token: 1 stays
+    ([7, 3], {5, 1}),          # ... now it is: 1 would complete [3, 1]
+    ([3, 7], {5}),             # the head must be the LAST tokens
+    ([2, 3], {5, 1, 4}),       # [2, 3, 4]: heads of length 2 too
+    ([9, 3], {5, 1}),
+])
+def test_bad_words_ban_only_the_completing_token(output, banned):
+    got = apply_bad_words(ROW.copy(), [[5], [3, 1], [2, 3, 4]], output)
+    assert set(np.flatnonzero(np.isneginf(got)).tolist()) == banned
+    keep = [t for t in range(len(ROW)) if t not in banned]
+    np.testing.assert_array_equal(got[keep], ROW[keep])
+
+
+class _WordTokenizer:
+    """A fixed table of encodings, as a BPE tokenizer would give them."""
+    table = {"bad": [0], " bad": [1],           # a word-initial variant: a second sequence
+             "ok": [2], " ok": [3, 4],          # the spaced form splits: not a variant
+             "d": [5], " d": [5]}               # the same first token: nothing new
+
+    def encode(self, text, add_special_tokens=False):
+        assert not add_special_tokens
+        return self.table[text]
+
+
+def test_bad_words_token_ids_cover_the_word_with_and_without_its_space():
+    assert bad_words_token_ids(["bad", "  ok", "d"], _WordTokenizer()) == [[0], [1], [2], [5]]
+
+
+def test_sampler_applies_the_vllm_processors_in_order_and_greedy_follows():
+    # ROW's argmax is 5 (3.0); then 0 (2.0), then 2 (1.0).
+    greedy = SamplingParams(temperature=0.0)
+    cases = [(dict(logit_bias={5: -1.5}), 0),             # 3.0 - 1.5 < 2.0
+             (dict(logit_bias={2: 2.5}), 2),              # 1.0 + 2.5 > 3.0
+             (dict(allowed_token_ids=[1, 3]), 3),
+             (dict(allowed_token_ids=[1, 3], logit_bias={1: 5.0}), 1),
+             (dict(allowed_token_ids=[0, 2], logit_bias={4: 100.0}), 0),   # not allowed
+             (dict(bad_words=["x"]), 0),
+             ({}, 5)]
+    for kw, want in cases:
+        params = SamplingParams(temperature=0.0, **kw)
+        out = Sampler().sample(np.stack([ROW, ROW]), [params, greedy], [make_generator(0)] * 2,
+                               output_token_ids=[[], []], bad_words_token_ids=[[[5]], []])
+        assert out == [want, 5], kw          # the plain row beside it is untouched
+
+
+def test_sampler_never_draws_outside_allowed_token_ids():
+    params = [SamplingParams(temperature=5.0, allowed_token_ids=[1, 4])] * 300
+    out = Sampler().sample(np.stack([ROW] * 300), params, [make_generator(i) for i in range(300)])
+    assert set(out) == {1, 4}
+
+
+def test_sampler_asks_for_the_bad_words_token_ids():
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        Sampler().sample(ROW[None], [SamplingParams(bad_words=["x"])], [make_generator(0)],
+                         output_token_ids=[[]])

@@ -19,6 +19,35 @@ def test_vllm_defaults_and_spellings():
     assert SamplingParams(max_tokens=None).max_tokens is None
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    # vLLM's other fields and their defaults: every one off.
+    assert (p.logit_bias, p.allowed_token_ids, p.bad_words, p.truncate_prompt_tokens) == (
+        None, None, None, None)
+    assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
+    assert not p.rewrites_logits
+    assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1   # whole vocabulary
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+
+
+def test_vllm_fields_are_normalised():
+    p = SamplingParams(logit_bias={np.int64(3): np.float32(1.5), 4: -100},
+                       allowed_token_ids=np.array([9, 2, 9]), bad_words=("no",))
+    assert p.logit_bias == {3: 1.5, 4: -100.0}
+    assert all(type(t) is int for t in p.logit_bias)
+    assert all(type(b) is float for b in p.logit_bias.values())
+    assert p.allowed_token_ids == [2, 9] and p.bad_words == ["no"]
+    assert p.rewrites_logits
+    for kw in ({"logit_bias": {1: 0.5}}, {"allowed_token_ids": [1]}, {"bad_words": ["x"]}):
+        assert SamplingParams(**kw).rewrites_logits, kw
+
+
+def test_token_ids_are_checked_against_the_vocabulary():
+    SamplingParams(logit_bias={9: 1.0}, allowed_token_ids=[9], stop_token_ids=[9]).check_vocab(10)
+    for kw, field in (({"logit_bias": {10: 1.0}}, "logit_bias"),
+                      ({"allowed_token_ids": [3, 10]}, "allowed_token_ids"),
+                      ({"stop_token_ids": [12]}, "stop_token_ids")):
+        with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}=.*token id 1[02] is "
+                                             r"outside the vocabulary \(valid ids are 0\.\.9\)"):
+            SamplingParams(**kw).check_vocab(10)
 
 
 def test_numpy_numbers_are_numbers_and_stored_as_python():
@@ -60,6 +89,17 @@ def test_validate_is_idempotent():
     ({"stop_token_ids": [1.5]}, "stop_token_ids"),
     ({"stop_token_ids": 7}, "stop_token_ids"),
     ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),
+    ({"spaces_between_special_tokens": None}, "spaces_between_special_tokens"),
+    ({"detokenize": "false"}, "detokenize"),
+    ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens"),
+    ({"logit_bias": [(1, 2.0)]}, "logit_bias"),
+    ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"logit_bias": {1: "2"}}, "logit_bias"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1.0]}, "allowed_token_ids"),
+    ({"bad_words": "word"}, "bad_words"),
+    ({"bad_words": ["ok", 3]}, "bad_words"),
 ])
 def test_wrong_types_are_type_errors_naming_the_field(kwargs, field):
     with pytest.raises(TypeError, match=rf"^SamplingParams\.{field}="):
@@ -85,8 +125,18 @@ def test_wrong_types_are_type_errors_naming_the_field(kwargs, field):
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"seed": -2}, "seed"),
-    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": -2}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
     ({"prompt_logprobs": -3}, "prompt_logprobs"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {1: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"detokenize": False, "stop": ["x"]}, "detokenize"),
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
 ])

@@ -99,7 +99,10 @@ HOSTILE = [
      "logprobs"),
     ("echo 'yes'", "POST", C, body(prompt="x", echo="yes"), JSON, 400, "echo"),
     ("best_of 3", "POST", C, body(prompt="x", best_of=3), JSON, 400, "best_of"),
-    ("logit_bias", "POST", C, body(prompt="x", logit_bias={"1": 5}), JSON, 400, "logit_bias"),
+    ("logit_bias with a word for a key", "POST", C, body(prompt="x", logit_bias={"a": 5}),
+     JSON, 400, "logit_bias"),
+    ("logit_bias past the vocabulary", "POST", C, body(prompt="x", logit_bias={"1000000000": 5}),
+     JSON, 400, "logit_bias"),
     ("model 5", "POST", C, body(prompt="x", model=5), JSON, 400, "model"),
     ("an unknown model", "POST", C, body(prompt="x", model="gpt-9"), JSON, 404, "model"),
     # prompts

@@ -194,3 +194,67 @@ def test_the_token_budget_defaults_to_the_backends(tiny_dir, capsys):
     assert "token budget 256 per step (the numpy default)" in capsys.readouterr().err
     engine = make_engine(tiny_dir, max_num_batched_tokens=64)
     assert engine.scheduler.max_num_batched_tokens == 64
+
+
+# ---- vLLM's SamplingParams fields over HTTP: each equals LLM.generate with the field -------
+
+def _text_and_ids(served, offline, body, **params):
+    got = _post(served, "/v1/completions", prompt=PROMPT, max_tokens=8, **GREEDY, **body)
+    want = _offline(offline, PROMPT, max_tokens=8, **GREEDY, **params)
+    return got, want
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_equal_llm_generate(served, offline):
+    plain = _offline(offline, PROMPT, max_tokens=8, **GREEDY).outputs[0]
+    first = plain.token_ids[0]
+    cases = [({"logit_bias": {str(first): -100}}, {"logit_bias": {first: -100.0}}),
+             ({"logit_bias": {"7": 250}}, {"logit_bias": {7: 100.0}}),     # clamped to 100
+             ({"allowed_token_ids": [40, 41, 42]}, {"allowed_token_ids": [40, 41, 42]}),
+             ({"bad_words": ["pool", "ks"]}, {"bad_words": ["pool", "ks"]})]
+    for body, params in cases:
+        got, want = _text_and_ids(served, offline, body, **params)
+        assert got["choices"][0]["text"] == want.outputs[0].text, body
+        assert want.outputs[0].token_ids != plain.token_ids or "bad_words" in body, body
+    chat = _post(served, "/v1/chat/completions", max_tokens=4, **GREEDY,
+                 messages=[{"role": "user", "content": "hi"}], logit_bias={"7": 100})
+    assert chat["choices"][0]["message"]["content"] == offline.llm_engine.tokenizer.decode(
+        [7] * 4)
+
+
+def test_special_token_options_and_truncation_equal_llm_generate(served, offline):
+    body = {"allowed_token_ids": [1, 2], "skip_special_tokens": False,
+            "spaces_between_special_tokens": False}
+    got, want = _text_and_ids(served, offline, body, **body)
+    assert got["choices"][0]["text"] == want.outputs[0].text
+    assert got["choices"][0]["text"].startswith("<|im_")
+    got, want = _text_and_ids(served, offline, {"truncate_prompt_tokens": 2},
+                              truncate_prompt_tokens=2)
+    assert got["choices"][0]["text"] == want.outputs[0].text
+    assert got["usage"]["prompt_tokens"] == 2
+    # A prompt longer than the context is cut before the length check, as in vLLM.
+    long = PROMPT * 200
+    r = httpx.post(served.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 8
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": "big"}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),           # outside the vocabulary
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, "2"]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [99999]}, "allowed_token_ids"),
+    ({"bad_words": "pool"}, "bad_words"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"),
+])
+def test_bad_vllm_fields_are_400_naming_the_field(served, body, param):
+    r = httpx.post(served.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

@@ -40,8 +40,9 @@ from refserve.sampling_params import SamplingParams
 
 def rows_supported(params: Sequence[SamplingParams]) -> bool:
     """Whether every row's params can be sampled by `sample_tokens` (no penalties,
-    min_tokens, logits processors or logprobs: those run on the host)."""
-    return all(not p.has_penalties and not p.min_tokens and p.logprobs is None
+    logit_bias, allowed_token_ids, bad_words, min_tokens, logits processors or logprobs:
+    those run on the host)."""
+    return all(not p.rewrites_logits and not p.min_tokens and p.logprobs is None
                and not getattr(p, "logits_processors", None) for p in params)
 
 

@@ -150,6 +150,8 @@ def build_app(server: AsyncEngine, model_name: str,
                            f"server's limit of {options.max_prompts_per_request} per request "
                            "(--max-prompts-per-request); split it", "prompt")
         field = "messages" if req.kind == "chat" else "prompt"
+        if req.sampling.get("truncate_prompt_tokens") is not None:
+            return      # any length may be cut to its last k tokens
         texts = ([sum(len(m["content"]) for m in req.messages)] if req.kind == "chat" else
                  [len(p) for p in req.prompts if isinstance(p, str)])
         for chars in texts:
@@ -177,6 +179,14 @@ def build_app(server: AsyncEngine, model_name: str,
                     if req.echo else [""] * len(prompts)
         except ValueError as e:
             raise APIError(str(e), field) from e
+        keep = req.sampling.get("truncate_prompt_tokens")
+        if keep is not None:      # vLLM's: before the length checks, so a long prompt fits
+            if keep != -1 and keep < 1:
+                raise APIError(f"'truncate_prompt_tokens' must be an integer >= 1, or -1 (the "
+                               f"last max_model_len tokens), got {keep}",
+                               "truncate_prompt_tokens")
+            keep = engine.max_model_len if keep == -1 else keep
+            prompts = [ids[-keep:] for ids in prompts]
         for ids in prompts:
             if len(ids) == 0:
                 raise APIError("the prompt encodes to no tokens", field)
@@ -232,7 +242,13 @@ def build_app(server: AsyncEngine, model_name: str,
             if isinstance(e, QueueFull):
                 raise _unavailable(str(e)) from e
             if isinstance(e, ValueError):
-                raise APIError(str(e), "messages" if req.kind == "chat" else "prompt") from e
+                # "SamplingParams.<field>=...: why" names its field (a token id outside
+                # the vocabulary); anything else is about the prompt.
+                text = str(e).split(": ", 1)[-1] if str(e).startswith("prompt ") else str(e)
+                name = (text.split("=", 1)[0].removeprefix("SamplingParams.")
+                        if text.startswith("SamplingParams.") else
+                        "messages" if req.kind == "chat" else "prompt")
+                raise APIError(str(e), name) from e
             if isinstance(e, Exception):
                 raise APIError(f"the engine could not take the request: {e}", None,
                                status=500, type="server_error") from e

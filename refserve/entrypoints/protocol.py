@@ -9,7 +9,15 @@
     top_k, ignore_eos,     same names          extras (vLLM accepts them too)
     stop_token_ids, min_p, min_tokens,
     presence_penalty, frequency_penalty,
-    repetition_penalty, include_stop_str_in_output
+    repetition_penalty, include_stop_str_in_output,
+    skip_special_tokens, spaces_between_special_tokens,
+    allowed_token_ids, bad_words,
+    truncate_prompt_tokens                     the prompt's last k tokens (k >= 1, or -1:
+                                               the last max_model_len), before every
+                                               length check
+    logit_bias             logit_bias          OpenAI's {"token id": bias}: keys are token
+                                               ids written as strings, biases clamped to
+                                               [-100, 100] as OpenAI and vLLM do
     logprobs (completions) logprobs            the top N per token, N <= max_logprobs
     logprobs + top_logprobs logprobs           chat: logprobs true, top_logprobs N
       (chat)
@@ -25,11 +33,12 @@ returns as OpenAI's error body with HTTP 400:
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p",
                "code": null}}
 
-Fields OpenAI defines that refserve does not implement (best_of, suffix, logit_bias,
-tools, ...) are refused with 400 when set to anything but their neutral value, never
-silently ignored. Text that no tokenizer can read (a lone surrogate such as "\ud800",
-which JSON can spell) is refused with 400 naming its field. Response shapes are in
-responses.py.
+Not over HTTP: `detokenize` (a response is text) and logprobs = -1 (the whole vocabulary:
+offline only, as vLLM's server caps logprobs at --max-logprobs). Fields OpenAI defines
+that refserve does not implement (best_of, suffix, tools, ...) are refused with 400 when
+set to anything but their neutral value, never silently ignored. Text that no tokenizer
+can read (a lone surrogate such as "\ud800", which JSON can spell) is refused with 400
+naming its field. Response shapes are in responses.py.
 """
 
 from __future__ import annotations
@@ -67,11 +76,14 @@ EXTRA_FIELDS = {"min_p": ((int, float), "a number"), "min_tokens": ((int,), "an 
                 "presence_penalty": ((int, float), "a number"),
                 "frequency_penalty": ((int, float), "a number"),
                 "repetition_penalty": ((int, float), "a number"),
-                "include_stop_str_in_output": ((bool,), "true or false")}
+                "include_stop_str_in_output": ((bool,), "true or false"),
+                "skip_special_tokens": ((bool,), "true or false"),
+                "spaces_between_special_tokens": ((bool,), "true or false"),
+                "truncate_prompt_tokens": ((int,), "an integer >= 1, or -1")}
+LOGIT_BIAS_LIMIT = 100.0      # OpenAI's range for one bias; vLLM clamps to it too
 
 # Unsupported OpenAI fields and the value that means "off".
-UNSUPPORTED_NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""),
-                       "logit_bias": (None, {}), "tools": (None, []),
+UNSUPPORTED_NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
                        "response_format": (None, {"type": "text"})}
 
 
@@ -196,12 +208,46 @@ def _common(body: dict, kind: str, max_tokens_names: tuple[str, ...],
             if name not in known:
                 raise APIError(f"'{name}' is not supported by this refserve version", name)
             sampling[name] = value
+    _token_constraints(body, sampling)
     req = GenerationRequest(kind, model, [], sampling, max_tokens, stream, include_usage,
                             continuous_usage=continuous)
     req.logprobs = _logprobs(body, kind, max_logprobs)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
     return req
+
+
+def _token_constraints(body: dict, sampling: dict) -> None:
+    """logit_bias (OpenAI's), allowed_token_ids and bad_words (vLLM's) into `sampling`;
+    the token ids are checked against the vocabulary when the engine takes the request."""
+    bias = body.get("logit_bias")
+    if bias is not None:
+        what = ("'logit_bias' must be an object mapping token ids (as strings, e.g. "
+                "\"50256\") to numbers in -100..100")
+        if not isinstance(bias, dict):
+            raise APIError(what, "logit_bias")
+        parsed = {}
+        for key, value in bias.items():
+            token = key.strip() if isinstance(key, str) else ""
+            if not token.isdecimal() or isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not math.isfinite(value):
+                raise APIError(f"{what}; got {key!r}: {value!r}", "logit_bias")
+            parsed[int(token)] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
+        if parsed:
+            sampling["logit_bias"] = parsed
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if (not isinstance(allowed, list) or not allowed
+                or any(not _is_token_id(t) or t < 0 for t in allowed)):
+            raise APIError("'allowed_token_ids' must be a non-empty list of non-negative "
+                           "integers", "allowed_token_ids")
+        sampling["allowed_token_ids"] = allowed
+    words = body.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or any(not isinstance(w, str) or not w.strip()
+                                              for w in words):
+            raise APIError("'bad_words' must be a list of non-blank strings", "bad_words")
+        sampling["bad_words"] = [_text(w, "bad_words") for w in words]
 
 
 def _logprobs(body: dict, kind: str, max_logprobs: int) -> int | None:

@@ -52,14 +52,15 @@ class Speculator:
 
     def num_drafts(self, seq: Sequence) -> int:
         """How many drafts `seq` may get now: 0 unless it is decode-ready and its params
-        allow speculation (no penalties, no logprobs, and min_tokens already reached: those
+        allow speculation (no penalties, logit_bias, allowed_token_ids or bad_words
+        (`rewrites_logits`), no logprobs, and min_tokens already reached: those
         need per-position logits processing the verify step does not do; a parent about to
         fork samples its first token plainly). Otherwise the adaptive rule's k' (at most k),
         capped so that the k' drafts and the recovered or bonus token exceed neither the
         remaining max_tokens nor max_model_len: k' <= remaining - 1."""
         sp = seq.sampling_params
         if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.awaiting_fork
-                or sp.has_penalties or sp.logprobs is not None
+                or sp.rewrites_logits or sp.logprobs is not None
                 or seq.num_output_tokens < sp.min_tokens):
             return 0
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
