@@ -13,6 +13,7 @@
 | max_num_batched_tokens | token budget of one step (chunked prefill); None: the backend's |
 | long_prefill_token_threshold | most tokens one prefill takes per step (0: no cap; None: backend) |
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
+| prefix_caching_policy | "hash" (vLLM's hash chain, default) or "radix" (SGLang's tree) |
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
 | dtype | weights and KV cache: auto (float32 on NumPy), float32, float16, bfloat16 |
@@ -40,6 +41,7 @@ BACKENDS = ("auto", "numpy", "cupy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BATCHING = ("continuous", "static")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
+PREFIX_CACHING_POLICIES = ("hash", "radix")  # kv_cache_manager.py checks the same list
 
 # The token budget of one step when max_num_batched_tokens is None, per backend, chosen as
 # vLLM chooses its defaults per device: one step at the budget must stay well under a second,
@@ -99,6 +101,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None   # None: the backend's default
     long_prefill_token_threshold: int | None = None  # None: the backend's default (0: off)
     enable_prefix_caching: bool = True
+    prefix_caching_policy: str = "hash"
     batching: str = "continuous"
     kv_cache_layout: str = "paged"
     speculative_config: dict | SpeculativeConfig | None = None
@@ -135,6 +138,9 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.batching not in BATCHING:
             raise ValueError(f"batching={self.batching!r}: choose one of {', '.join(BATCHING)}")
+        if self.prefix_caching_policy not in PREFIX_CACHING_POLICIES:
+            raise ValueError(f"prefix_caching_policy={self.prefix_caching_policy!r}: choose "
+                             f"one of {', '.join(PREFIX_CACHING_POLICIES)}")
         if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}: choose one of "
                              f"{', '.join(KV_CACHE_LAYOUTS)}")

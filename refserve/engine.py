@@ -164,7 +164,8 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size,
-            enable_prefix_caching=config.enable_prefix_caching and not contiguous)
+            enable_prefix_caching=config.enable_prefix_caching and not contiguous,
+            prefix_caching_policy=config.prefix_caching_policy)
         scheduler_cls = StaticScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(
             config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache_manager,

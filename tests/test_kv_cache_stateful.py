@@ -5,7 +5,9 @@ of tokens ("write": apply the copy-on-write pairs, then write each token into a 
 array at the slots from slot_mapping), sample tokens, fork, preempt and readmit, free, and
 look up prefixes, and speculate (a verify step: the last token plus draft tokens computed
 at once, some drafts rejected, their K/V un-computed and the blocks they alone used trimmed).
-Small pools make allocations fail and cached blocks get evicted.
+Small pools make allocations fail and cached blocks get evicted. Both prefix-caching
+policies run the same rules: the hash chain and the radix tree (radix_policy.py), whose
+tree holds one reference of its own on each cached block.
 
 The shadow KV stores, for every slot, the token id whose K/V would be there. So "the cache
 is correct" becomes checkable: every computed position of every live sequence reads back its
@@ -45,10 +47,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.ids = itertools.count()  # the manager is used alone: the test numbers sequences
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(3, 20),
-                enable_prefix_caching=st.booleans())
-    def setup(self, block_size, num_blocks, enable_prefix_caching):
+                enable_prefix_caching=st.booleans(), policy=st.sampled_from(["hash", "radix"]))
+    def setup(self, block_size, num_blocks, enable_prefix_caching, policy):
         self.bs = block_size
-        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching, policy)
+        self.radix = enable_prefix_caching and policy == "radix"
         # shadow[block][offset] = the token whose K/V sits in that slot (None = never written)
         self.shadow = {b: [None] * block_size for b in range(num_blocks)}
 
@@ -236,15 +239,19 @@ class KVCacheMachine(RuleBasedStateMachine):
         for seq in self.running:
             for block in m.get_block_ids(seq.seq_id):
                 holders[block] += 1
-        available = set(m.allocator.available_block_ids())
-        held = {b for b in range(m.num_blocks) if m.allocator.ref_count(b) > 0}
-        evictable = {b for b in available if m.prefix_cache.is_cached(b)}
-        assert not available & held
-        assert len(available) + len(held) == m.num_blocks
+        cached = m.cached_blocks()
+        held = {b for b in range(m.num_blocks) if holders[b] > 0}
+        evictable = {b for b in cached if holders[b] == 0}
+        free = set(range(m.num_blocks)) - held - evictable
         # held + evictable + free == the pool, each counted exactly
         assert (m.num_held_blocks, m.num_evictable_blocks, m.num_free_blocks) == (
-            len(held), len(evictable), len(available) - len(evictable))
-        assert holders == [m.allocator.ref_count(b) for b in range(m.num_blocks)]
+            len(held), len(evictable), len(free))
+        assert m.num_available_blocks == len(free) + len(evictable)
+        assert set(m.allocator.available_block_ids()) == (
+            free if self.radix else free | evictable)
+        # ref count = the block tables holding it (+ the radix tree's own on a cached block)
+        assert [holders[b] + (self.radix and b in cached) for b in range(m.num_blocks)] == [
+            m.allocator.ref_count(b) for b in range(m.num_blocks)]
         for seq in self.waiting:
             assert not m.has_sequence(seq.seq_id)
         # Rollback: no sequence holds a block lying wholly past its tokens (such a block
@@ -265,10 +272,10 @@ class KVCacheMachine(RuleBasedStateMachine):
                 block, offset = divmod(slot, self.bs)
                 assert self.shadow[block][offset] == seq.token_ids[position]
         # ... and every cached block (referenced or evictable) holds its key's tokens.
-        for block, key in m.prefix_cache.cached_blocks().items():
-            assert self.shadow[block] == list(key.tokens)
+        for block, tokens in m.cached_blocks().items():
+            assert self.shadow[block] == list(tokens)
         if not m.enable_prefix_caching:
-            assert len(m.prefix_cache) == 0
+            assert not m.cached_blocks()
 
     def teardown(self):
         m = self.manager
@@ -277,9 +284,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         for seq in self.running:
             m.release(seq)
         m.check_invariants()
-        assert m.num_held_blocks == 0  # everything free ...
-        for block in m.prefix_cache.cached_blocks():
-            assert m.allocator.ref_count(block) == 0  # ... cached blocks are evictable
+        assert m.num_held_blocks == 0  # nothing leaks: everything free ...
+        assert m.num_evictable_blocks == len(m.cached_blocks())  # ... or cached, evictable
+        assert m.num_free_blocks + m.num_evictable_blocks == m.num_blocks
+        for block in m.cached_blocks():
+            assert m.allocator.ref_count(block) == int(self.radix)
 
 
 KVCacheMachine.TestCase.settings = settings(

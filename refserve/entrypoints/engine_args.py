@@ -23,6 +23,7 @@ from refserve.config import (
     DEPRECATED_ALIASES,
     DTYPES,
     KV_CACHE_LAYOUTS,
+    PREFIX_CACHING_POLICIES,
     EngineConfig,
 )
 from refserve.entrypoints.cli_common import json_object, memory_size
@@ -105,6 +106,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="static: request-level batching, for comparison")
     r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS,
                    help="contiguous: the naive one-block-per-sequence baseline")
+    r.add_argument("--prefix-caching-policy", default="hash", choices=PREFIX_CACHING_POLICIES,
+                   help="how prefix hits are found: hash (vLLM's chain of block hashes) or "
+                   "radix (SGLang's tree of token runs)")
     kinds = {"num_gpu_blocks_override": int,
              "kv_cache_memory_bytes": memory_size(require_unit=False)}
     for old, new in DEPRECATED_ALIASES.items():

@@ -1,7 +1,10 @@
 """The KV-cache manager: the one object the scheduler asks for KV-cache space.
 
 It owns the `BlockAllocator` (physical blocks and ref counts), one `BlockTable` per live
-sequence, and the `PrefixCache`. The backend never sees any of this: it only receives
+sequence, and the prefix-caching policy: the `PrefixCache` hash chain ("hash", vLLM's, the
+default) or the radix tree ("radix", SGLang's; radix_policy.py). Both give the same
+interface and metrics; only where the hits come from and which block is evicted differ. The
+backend never sees any of this: it only receives
 `slot_mapping`, `block_tables` and the copy-on-write pairs.
 
 Who advances what. The manager only *reads* `seq.num_computed_tokens` and `seq.token_ids`;
@@ -50,9 +53,11 @@ from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING
 
 from refserve.capacity import blocks_for_tokens
+from refserve.config import PREFIX_CACHING_POLICIES
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
 from refserve.kv_cache.block_table import BlockTable
 from refserve.kv_cache.prefix_cache import BlockKey, PrefixCache
+from refserve.kv_cache.radix_policy import RadixPolicy
 
 if TYPE_CHECKING:
     from refserve.sequence import Sequence
@@ -62,14 +67,22 @@ __all__ = ["KVCacheManager", "NoFreeBlocksError"]
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 prefix_caching_policy: str = "hash") -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
+        if prefix_caching_policy not in PREFIX_CACHING_POLICIES:
+            raise ValueError(f"prefix_caching_policy={prefix_caching_policy!r}: choose one "
+                             f"of {', '.join(PREFIX_CACHING_POLICIES)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_caching_policy = prefix_caching_policy
         self.allocator = BlockAllocator(num_blocks)
-        self.prefix_cache = PrefixCache()
+        self.prefix_cache = PrefixCache()  # the hash chain (stays empty under "radix")
+        # The radix tree, when it is the policy (None: the hash chain, or caching is off).
+        self._radix = (RadixPolicy(block_size, self.allocator)
+                       if enable_prefix_caching and prefix_caching_policy == "radix" else None)
         self._tables: dict[int, BlockTable] = {}
         # Keys of each sequence's leading full blocks hashed so far (len = blocks hashed).
         # The next key chains on the last one, so hashing a sequence is O(new blocks).
@@ -92,23 +105,42 @@ class KVCacheManager:
 
     @property
     def num_held_blocks(self) -> int:
-        """Blocks some block table holds (ref count > 0)."""
-        return self.allocator.num_held_blocks
+        """Blocks some block table holds (hash: ref count > 0; radix: the tree's own
+        reference on an evictable block does not count)."""
+        return self.allocator.num_held_blocks - (self._radix.num_evictable_blocks
+                                                 if self._radix else 0)
 
     @property
     def num_evictable_blocks(self) -> int:
         """Blocks no table holds whose KV is still cached: a prefix hit can revive them."""
-        return self._num_evictable
+        return self._radix.num_evictable_blocks if self._radix else self._num_evictable
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no table holds and the cache does not need."""
+        if self._radix:
+            return self.allocator.num_available_blocks
         return self.allocator.num_available_blocks - self._num_evictable
 
     @property
     def num_available_blocks(self) -> int:
         """What an allocation can take: free + evictable blocks."""
-        return self.allocator.num_available_blocks
+        return self.num_free_blocks + self.num_evictable_blocks
+
+    def cached_blocks(self) -> dict[int, tuple[int, ...]]:
+        """Every cached block (held or evictable) -> the tokens whose KV it holds."""
+        if self._radix:
+            return self._radix.cached_blocks()
+        return {block: key.tokens for block, key in self.prefix_cache.cached_blocks().items()}
+
+    def prefix_match_length(self, seq: Sequence) -> int:
+        """Tokens of seq a lookup would hit now, changing nothing (what the lpm scheduling
+        policy sorts by); 0 when caching is off."""
+        if not self.enable_prefix_caching:
+            return 0
+        if self._radix:
+            return self._radix.match_length(seq.token_ids)
+        return len(self._hash_lookup(seq)) * self.block_size
 
     def usage(self) -> float:
         """Fraction of the pool held by some sequence (evictable blocks are not held)."""
@@ -141,6 +173,14 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or seq.seq_id in self._tables:
             return [], 0
+        if self._radix:
+            blocks = self._radix.lookup(seq.token_ids)
+            return blocks, len(blocks) * self.block_size
+        blocks = self._hash_lookup(seq)
+        return blocks, len(blocks) * self.block_size
+
+    def _hash_lookup(self, seq: Sequence) -> list[int]:
+        """The hash chain's hit blocks for seq (get_computed_blocks' rule); touches nothing."""
         # BEGIN EXERCISE prefix_cache_lookup: chained keys of full blocks to the first miss
         bs = self.block_size
         max_hit_blocks = max(0, seq.num_tokens - 1) // bs
@@ -154,7 +194,7 @@ class KVCacheManager:
             blocks.append(block_id)
             # Chain on the stored key object: later equality checks stop at it at once.
             parent = self.prefix_cache.key_of(block_id)
-        return blocks, len(blocks) * bs
+        return blocks
         # END EXERCISE
 
     # ---- allocation ----------------------------------------------------------------------
@@ -192,7 +232,8 @@ class KVCacheManager:
                if logical < len(held) and self.allocator.ref_count(held[logical]) > 1]
         # Reviving an evictable hit block takes it out of the available blocks: it is
         # counted in num_available_blocks, so it must be paid for here.
-        revived = sum(1 for block_id in attach if self.allocator.ref_count(block_id) == 0)
+        revived = (self._radix.revive_cost(attach) if self._radix else
+                   sum(1 for block_id in attach if self.allocator.ref_count(block_id) == 0))
         return attach, start, end, cow, revived + num_new_blocks + len(cow)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int,
@@ -228,12 +269,15 @@ class KVCacheManager:
         if table is None:
             table = self._tables[seq.seq_id] = BlockTable(self.block_size)
             self._block_keys[seq.seq_id] = []
+            if self._radix:
+                self._radix.attach(seq.seq_id, attach)  # increfs, locks their node
             for block_id in attach:
-                if self.allocator.ref_count(block_id) == 0:
-                    self._num_evictable -= 1  # revived: evictable -> held
-                self.allocator.incref(block_id)
+                if not self._radix:
+                    if self.allocator.ref_count(block_id) == 0:
+                        self._num_evictable -= 1  # revived: evictable -> held
+                    self.allocator.incref(block_id)
+                    self._block_keys[seq.seq_id].append(self.prefix_cache.key_of(block_id))
                 table.append(block_id)
-                self._block_keys[seq.seq_id].append(self.prefix_cache.key_of(block_id))
             if self.enable_prefix_caching:
                 self.prefix_cache_queried_tokens += seq.num_tokens
                 self.prefix_cache_hit_tokens += len(attach) * self.block_size
@@ -250,7 +294,7 @@ class KVCacheManager:
         # Writes never reach a hashed block: hashed blocks hold only computed positions
         # (cache_full_blocks), and speculative rollback un-computes only positions past
         # the last accepted token, which no hashed block holds.
-        assert end <= start or start >= len(self._block_keys[seq.seq_id]) * self.block_size, (
+        assert end <= start or start >= self._num_cached(seq.seq_id) * self.block_size, (
             f"sequence {seq.seq_id} writes position {start} inside its hashed blocks")
 
         for _ in range(table.num_new_blocks(end)):
@@ -261,9 +305,20 @@ class KVCacheManager:
                                                     held)
         return copies
 
+    def _num_cached(self, seq_id: int) -> int:
+        """The sequence's leading blocks given to the prefix cache so far."""
+        if self._radix:
+            return self._radix.num_inserted(seq_id)
+        return len(self._block_keys[seq_id])
+
     def _take_block(self) -> int:
         """Allocate from the head of the available queue; if that block was an evictable
-        cached block, this is where it is evicted (least recently released first)."""
+        cached block, this is where it is evicted (least recently released first). Radix:
+        a free block first, else the tree evicts its least recently used unlocked leaf."""
+        if self._radix:
+            block_id, evicted = self._radix.take_block()
+            self.num_evictions += evicted
+            return block_id
         block_id = self.allocator.allocate()
         if self.prefix_cache.is_cached(block_id):
             self.prefix_cache.evict(block_id)
@@ -281,6 +336,13 @@ class KVCacheManager:
         bs = self.block_size
         if len(blocks) * bs > max(0, seq.num_tokens - 1):
             raise ValueError(f"sequence {seq.seq_id}: computed_blocks cover the last token")
+        if self._radix:
+            if not self._radix.still_cached(seq.token_ids, blocks):
+                raise ValueError(
+                    f"sequence {seq.seq_id}: computed blocks {blocks} are no longer the "
+                    "radix tree's path for these tokens; call get_computed_blocks again "
+                    "right before allocate_slots")
+            return
         parent = None
         for i, block_id in enumerate(blocks):
             key = self.prefix_cache.key_of(block_id)
@@ -306,6 +368,8 @@ class KVCacheManager:
             self.allocator.incref(block_id)
         self._tables[child_seq.seq_id] = parent_table.copy()
         self._block_keys[child_seq.seq_id] = list(self._block_keys[parent_seq.seq_id])
+        if self._radix:
+            self._radix.fork(parent_seq.seq_id, child_seq.seq_id)
 
     def release(self, seq: Sequence) -> None:
         """Give back the sequence's blocks (finished, aborted or preempted): each loses one
@@ -319,6 +383,9 @@ class KVCacheManager:
         table = self._tables.pop(seq.seq_id, None)
         self._block_keys.pop(seq.seq_id, None)
         if table is None:
+            return
+        if self._radix:
+            self._radix.release(seq.seq_id, table.block_ids)
             return
         for block_id in reversed(table.block_ids):
             cached = self.prefix_cache.is_cached(block_id)
@@ -351,6 +418,8 @@ class KVCacheManager:
             assert (self.allocator.ref_count(block_id) > 1
                     or not self.prefix_cache.is_cached(block_id)), \
                 f"block {block_id} is cached but holds no computed position of {seq.seq_id}"
+            assert not (self._radix and self._radix.tree.is_cached(block_id)), \
+                f"block {block_id} is cached but holds no computed position of {seq.seq_id}"
             self.allocator.decref(block_id, to_front=True)
         del self._block_keys[seq.seq_id][keep:]
         return dropped
@@ -369,6 +438,12 @@ class KVCacheManager:
         keys = self._block_keys[seq.seq_id]
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(table))
+        if self._radix:
+            swaps = self._radix.cache_full_blocks(seq.seq_id, seq.token_ids,
+                                                  table.block_ids, num_full)
+            for logical, tree_block in swaps:  # duplicates of the tree's KV: use the tree's
+                self.allocator.decref(table.replace(logical, tree_block), to_front=True)
+            return
         for i in range(len(keys), num_full):
             parent = keys[-1] if keys else None
             key = BlockKey(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
@@ -402,7 +477,9 @@ class KVCacheManager:
                 holders[block_id] += 1
             if len(self._block_keys[seq_id]) > len(table):
                 raise AssertionError(f"sequence {seq_id} has more hashed blocks than blocks")
-        for block_id, count in enumerate(holders):
+        if self._radix:
+            self._radix.check_invariants(holders)
+        for block_id, count in enumerate(holders if not self._radix else ()):
             if self.allocator.ref_count(block_id) != count:
                 raise AssertionError(
                     f"block {block_id}: ref count {self.allocator.ref_count(block_id)} but "
