@@ -87,6 +87,22 @@ def test_one_request_alone_costs_one_prefill_then_its_decodes():
     assert m.tpot == pytest.approx(sum(decodes) / 4)
     assert m.num_output_tokens == 5 and m.num_target_passes == 5
     assert result.num_steps == 5
+    # inter-token latencies: one per later token, each its decode step
+    assert list(result.itl) == pytest.approx(decodes)
+
+
+def test_itl_includes_the_wait_of_a_stalled_or_preempted_request():
+    """A request that sat out steps waits for more than one step between its tokens."""
+    engine = small_engine(num_gpu_blocks_override=12, block_size=16, max_num_seqs=4,
+                          max_num_batched_tokens=64, max_model_len=192)
+    reqs = [SimRequest(f"r{i}", 0.0, [1000 + i] * 40, [1] * 100) for i in range(4)]
+    result = engine.run(reqs, check_invariants=True)
+    assert result.summary.num_preemptions > 0
+    steps = [b - a for a, b in zip(result.timeline["t"], result.timeline["t_end"])]
+    assert len(result.itl) == sum(m.num_output_tokens - 1 for m in result.metrics.values())
+    assert max(result.itl) > 2 * max(steps)  # a preempted request waited several steps
+    assert sum(result.itl) == pytest.approx(sum(m.decode_time for m in
+                                                 result.metrics.values()))
 
 
 def test_the_clock_jumps_over_idle_time():

@@ -13,9 +13,12 @@ Scenarios (one file each in this package)
     roofline   measured peak FLOP/s and bandwidth; where prefill and decode steps land
     loadtest   the HTTP server under Poisson arrivals: TTFT/TPOT percentiles, throughput,
                goodput under an SLO, $ per 1M output tokens, every request accounted for
+    sim-fidelity  the simulator vs the real engine: fit the cost model on a profiling run,
+               then throughput / TTFT / TPOT errors on other workloads (refserve/simulator/)
 
 Each prints a table, states the machine (cores, BLAS and its kernel, GPU) and the exact
-command, writes every number with --json and a chart with --plot. Workloads are built from a
+command, writes every number with --json and a chart with --plot (and the engines' timelines with
+--trace, where a scenario runs an engine). Workloads are built from a
 seed and text bundled in refserve/bench/corpus.py. `--quick` is a CI-sized run. Numbers are
 compared only between systems measured in the same run.
 """

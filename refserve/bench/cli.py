@@ -16,7 +16,7 @@ from refserve.entrypoints.cli_common import (
 )
 
 SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
-             "roofline", "loadtest")
+             "roofline", "loadtest", "sim-fidelity")
 # The scenarios that step an engine in this process: --trace records their timelines.
 TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity")
 
@@ -32,7 +32,7 @@ def build_parser() -> ArgumentParser:
                        formatter_class=_Formatter)
     sub = p.add_subparsers(dest="scenario", required=True, metavar="scenario")
     for name in SCENARIOS:
-        module = importlib.import_module(f"refserve.bench.{name}")
+        module = importlib.import_module(f"refserve.bench.{name.replace('-', '_')}")
         s = sub.add_parser(name, help=module.HELP, description=module.__doc__,
                            formatter_class=_Formatter)
         s.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")

@@ -20,7 +20,7 @@ parallelism, one GPU's work is (WARMUP §8, per GPU):
 and the step takes
 
     t = max(F_lin / (peak e_flops), B_lin / (bandwidth e_bw))       GEMMs: compute or weights
-      + max(F_att / (peak e_attn), B_kv / (bandwidth e_bw))         attention: compute or KV
+      + max(F_att / (peak e_attn), B_kv / (bandwidth e_kv))         attention: compute or KV
       + 2 L [2 (p - 1) / p * T H b / link + latency]  (p > 1)       two ring all-reduces of
                                                                     the T x H activations
                                                                     per layer
@@ -31,7 +31,10 @@ Each `max` is one roofline: a kernel is bound by its compute or by its memory tr
 whichever takes longer. A decode step at batch 1 is all weight bytes (t ~ B_lin / bw); a
 2048-token prefill is all FLOPs (t ~ F_lin / peak). The efficiencies e_flops, e_bw, e_attn
 and the two overheads are the only fitted numbers (`fit`); everything else is the model's
-shape and the GPU's data sheet.
+shape and the GPU's data sheet. e_kv, the fraction of the bandwidth the KV gather reaches,
+is e_bw unless fitted apart: streaming weights through a GEMM and gathering a paged cache
+block by block are different kernels (on the NumPy engine the gather is about 30x slower
+per byte than the weight read; bench sim-fidelity).
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ class Efficiencies:
     attention: float
     step_overhead_s: float
     row_overhead_s: float
+    kv_bandwidth: float | None = None  # e_kv; None: the same as bandwidth
+
+    @property
+    def kv(self) -> float:
+        return self.bandwidth if self.kv_bandwidth is None else self.kv_bandwidth
 
     @classmethod
     def of(cls, gpu: GpuProfile) -> Efficiencies:
@@ -153,7 +161,7 @@ class CostModel:
         return {
             "linear": max(w["linear_flops"] / compute, w["linear_bytes"] / memory),
             "attention": max(w["attention_flops"] / (self.peak * e.attention),
-                             w["kv_bytes"] / memory),
+                             w["kv_bytes"] / (gpu.memory_bandwidth * e.kv)),
             "allreduce": comm,
             "overhead": e.step_overhead_s + e.row_overhead_s * comp.num_rows,
         }
@@ -172,9 +180,11 @@ class CostModel:
 
     def describe(self) -> str:
         e = self.eff
+        kv = "" if e.kv_bandwidth is None else f" (KV gather {e.kv_bandwidth:.1%})"
         return (f"cost model: {self.tp} x {self.gpu.name}, {self.dtype}; GEMM "
-                f"{e.flops:.0%} of {self.peak / 1e12:.0f} TFLOP/s, bandwidth {e.bandwidth:.0%} "
-                f"of {self.gpu.memory_bandwidth / 1e9:.0f} GB/s, attention {e.attention:.0%}, "
+                f"{e.flops:.0%} of {self.peak / 1e12:.3g} TFLOP/s, bandwidth {e.bandwidth:.0%}"
+                f"{kv} of {self.gpu.memory_bandwidth / 1e9:.0f} GB/s, attention "
+                f"{e.attention:.0%}, "
                 f"overhead {e.step_overhead_s * 1e3:.2f} ms + {e.row_overhead_s * 1e6:.1f} "
                 f"us/row")
 
@@ -191,24 +201,25 @@ class FitResult:
     iterations: int
 
 
-def fit(cost_model: CostModel, profile, max_iterations: int = 50) -> FitResult:
+def fit(cost_model: CostModel, profile, max_iterations: int = 50,
+        separate_kv: bool = False) -> FitResult:
     """Fit the efficiencies and overheads of `cost_model` to measured steps.
 
     `profile`: (StepComposition, seconds) pairs of one model at one tensor-parallel degree.
     Writing x_f = 1 / (peak e_flops), x_b = 1 / (bandwidth e_bw), x_a = 1 / (peak e_attn),
-    the model is
+    x_k = 1 / (bandwidth e_kv) (= x_b unless `separate_kv`), the model is
 
-        t = max(F_lin x_f, B_lin x_b) + max(F_att x_a, B_kv x_b) + o_step + o_row R + comm
+        t = max(F_lin x_f, B_lin x_b) + max(F_att x_a, B_kv x_k) + o_step + o_row R + comm
 
     Which side of each `max` binds is the roofline's question. Given that choice per sample,
-    t is linear in theta = (x_f, x_a, x_b, o_step, o_row), so this alternates:
+    t is linear in theta = (x_f, x_a, x_b, o_step, o_row, x_k), so this alternates:
 
         1. with the current theta, mark each sample's GEMMs and attention compute- or
            memory-bound;
         2. solve the least-squares problem on RELATIVE errors (each equation divided by
            the measured t, so a 30 ms prefill and a 3 ms decode count alike) with
            theta >= 0: the best of the unconstrained solutions on every support (there
-           are only 2^5 of them);
+           are only 2^6 of them);
         3. stop when the marks no longer change.
 
     A parameter no sample exercises (its column is all zero, e.g. attention compute in a
@@ -232,22 +243,27 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50) -> FitResult:
     t = np.array([s for _, s in samples])
     comm = np.array([cost_model.terms(c)["allreduce"] for c, _ in samples])
     theta = np.array([1 / e.flops, 1 / e.attention, 1 / e.bandwidth, e.step_overhead_s,
-                      e.row_overhead_s])
+                      e.row_overhead_s, 1 / e.kv])
     marks, iterations = None, 0
     while iterations < max_iterations:
         iterations += 1
         lin_compute = f_lin * theta[0] >= b_lin * theta[2]
-        att_compute = f_att * theta[1] >= b_kv * theta[2]
+        att_compute = f_att * theta[1] >= b_kv * theta[5]
         new_marks = (tuple(lin_compute), tuple(att_compute))
         if new_marks == marks:
             break
         marks = new_marks
+        kv = np.where(att_compute, 0.0, b_kv)
         x = np.stack([np.where(lin_compute, f_lin, 0.0), np.where(att_compute, f_att, 0.0),
-                      np.where(lin_compute, 0.0, b_lin) + np.where(att_compute, 0.0, b_kv),
-                      np.ones_like(t), rows], axis=1)
+                      np.where(lin_compute, 0.0, b_lin) + (0.0 if separate_kv else kv),
+                      np.ones_like(t), rows, kv if separate_kv else np.zeros_like(t)],
+                     axis=1)
         theta = _nonnegative_lstsq(x / t[:, None], (t - comm) / t, theta)
+        if not separate_kv:
+            theta[5] = theta[2]
     fitted = Efficiencies(flops=1 / theta[0], attention=1 / theta[1], bandwidth=1 / theta[2],
-                          step_overhead_s=float(theta[3]), row_overhead_s=float(theta[4]))
+                          step_overhead_s=float(theta[3]), row_overhead_s=float(theta[4]),
+                          kv_bandwidth=float(1 / theta[5]) if separate_kv else None)
     model = cost_model.with_efficiencies(fitted)
     predicted = np.array([model.time(c) for c, _ in samples])
     rel = (predicted - t) / t
@@ -286,7 +302,7 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, prior: np.ndarray,
     theta = prior.copy()
     for k, j in enumerate(used):
         value = best.get(k, 0.0) / norms[k] if best is not None else prior[j]
-        theta[j] = value if value > 0 or j >= 3 else prior[j]
+        theta[j] = value if value > 0 or j in (3, 4) else prior[j]
     return theta
 
 

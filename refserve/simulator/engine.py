@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from refserve import capacity
@@ -107,7 +108,9 @@ def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype
 class SimResult:
     """A finished simulation: per-request metrics (in arrival order), the run summary, and
     one timeline sample per step: start and end time, scheduled rows, tokens sampled,
-    sequences waiting after it was scheduled, KV blocks used."""
+    sequences waiting after it was scheduled, KV blocks used. `itl`: every inter-token
+    latency, the time from one step that gave a request tokens to its next one (stalls,
+    preemptions and the recompute included; a verify row's tokens arrive together)."""
 
     metrics: dict[str, RequestMetrics]
     summary: RunSummary
@@ -115,6 +118,7 @@ class SimResult:
     num_steps: int = 0
     wall_seconds: float = 0.0
     stopped_early: bool = False
+    itl: array = field(default_factory=lambda: array("d"))
 
     @property
     def steps_per_second(self) -> float:
@@ -226,6 +230,8 @@ class SimulatedEngine:
         metrics = self.metrics = {}
         request_of: dict[int, SimRequest] = {}   # seq_id -> its request
         passes: dict[int, int] = {}
+        last_token: dict[int, float] = {}        # seq_id -> when it last got tokens
+        itl = array("d")
         timeline = {"t": [], "t_end": [], "scheduled": [], "sampled": [], "waiting": [],
                     "kv_blocks_used": []}
         bar = None
@@ -275,6 +281,9 @@ class SimulatedEngine:
                     m = metrics[seq.request_id]
                     if m.first_token_time is None:
                         m.first_token_time = now
+                    else:
+                        itl.append(now - last_token[seq.seq_id])
+                    last_token[seq.seq_id] = now
                     verified = update.verified.get(seq.seq_id)
                     if verified is not None:  # output_processor._count_pass's counts
                         m.num_spec_verify_steps += 1
@@ -284,6 +293,7 @@ class SimulatedEngine:
                 recorder.step(t_start, now, out, kv_blocks_used=used,
                               kv_blocks_total=kv.num_blocks, num_waiting=sched.num_waiting)
             for seq in retired:
+                last_token.pop(seq.seq_id, None)
                 self._finish(metrics[seq.request_id], seq, passes[seq.seq_id], now)
                 if recorder is not None:
                     recorder.finish(seq.request_id, now)
@@ -312,7 +322,7 @@ class SimulatedEngine:
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens})
         if self.config.speculative_config is not None:
             summary.speculative_method = self.config.speculative_config.method
-        return SimResult(metrics, summary, timeline, sched.num_steps, wall, stopped)
+        return SimResult(metrics, summary, timeline, sched.num_steps, wall, stopped, itl)
 
     @staticmethod
     def _finish(m: RequestMetrics, seq: Sequence, num_passes: int, now: float) -> None:

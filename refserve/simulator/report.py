@@ -18,6 +18,7 @@ def usd_per_million(usd_per_hour_total: float, output_tokens_per_s: float) -> fl
 def latency_table(result) -> list[dict]:
     ms = [m for m in result.metrics.values() if m.finish_time is not None]
     series = {"TTFT": [m.ttft for m in ms], "TPOT": [m.tpot for m in ms],
+              "ITL": list(getattr(result, "itl", ())),
               "latency": [m.finish_time - m.arrival_time for m in ms]}
     return [{"metric": name, **{f"p{q}": _ms(percentile(v, q)) for q in (50, 90, 99)},
              "max": _ms(max((x for x in v if x is not None), default=None))}

@@ -13,6 +13,8 @@ Arrivals (requests per second `rate`; gaps of a unit-rate process divided by the
 Workloads (token counts; "LN(m, s)" is a lognormal with mean m and sigma s, clipped):
     chat            the bench's chat: prompt U[16, 128], output LN(120, 0.8) in [16, 512]
     long-document   prompt U[2048, 6144] (a document), output LN(200, 0.6) in [32, 1024]
+    long-context    prompt U[6144, 7424], output LN(640, 0.4) in [256, 1024]: each request
+                    fills most of an 8192-token context (the OOM-at-peak war story)
     system-prompt   one shared 1500-token system prompt + a chat turn: prefix caching
                     stores its KV once instead of once per request
     multi-turn      conversations of 2-6 turns; turn k's prompt is turn k-1's prompt, its
@@ -38,7 +40,8 @@ from pathlib import Path
 import numpy as np
 
 ARRIVALS = ("poisson", "bursty")
-WORKLOADS = ("chat", "long-document", "system-prompt", "multi-turn", "branching")
+WORKLOADS = ("chat", "long-document", "long-context", "system-prompt", "multi-turn",
+             "branching")
 SYSTEM_PROMPT_TOKENS = 1500
 
 
@@ -132,11 +135,14 @@ def make_workload(name: str, num_requests: int, rate: float, *, vocab_size: int,
     rng_arrival, rng_len, rng_tok = _streams(seed)
     tokens = _Tokens(rng_tok, vocab_size)
     n = num_requests
-    if name in ("chat", "system-prompt", "long-document"):
+    if name in ("chat", "system-prompt", "long-document", "long-context"):
         times = arrival_times(n, rate, rng_arrival, arrival, burstiness)
         if name == "long-document":
             prompt_lens = rng_len.integers(2048, 6145, n)
             output_lens = lognormal_lengths(rng_len, n, 200, 0.6, 32, 1024)
+        elif name == "long-context":
+            prompt_lens = rng_len.integers(6144, 7425, n)
+            output_lens = lognormal_lengths(rng_len, n, 640, 0.4, 256, 1024)
         else:
             prompt_lens = rng_len.integers(16, 129, n)
             output_lens = lognormal_lengths(rng_len, n, 120, 0.8, 16, 512)

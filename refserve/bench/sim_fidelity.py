@@ -1,0 +1,266 @@
+"""sim-fidelity: how far the simulator is from the real engine, measured in the same run.
+
+1. FIT. A short profiling run of the real engine (this machine, the NumPy backend): batches
+   of 1..16 requests with prompts of 24..700 tokens, so its steps range from one decode row
+   to full-budget prefill chunks mixed with decodes. Every step's composition and wall time
+   (LLMEngine.observer) go to `cost_model.fit`, which sets the efficiencies and overheads
+   of the "this machine" profile (peak FLOP/s and bandwidth measured by the roofline
+   bench's ceilings).
+2. TEST, on other workloads (never fit on what is tested): each runs twice, on the real
+   engine (requests added when the wall clock passes their arrival time) and on the
+   simulator with the fitted cost model (the same prompts, the real run's output tokens,
+   the same arrival times and engine config: the same Scheduler and KVCacheManager
+   classes with the same pool):
+
+       batching   requests all at t = 0, long-tailed outputs, max_num_seqs 8
+       chunked    short requests decoding while a long prompt is prefilled in chunks
+       prefix     a shared system prompt, prefix caching on
+       poisson    chat-like requests arriving as a Poisson process
+
+   and reports the relative error (simulated - real) / real of the output throughput, TTFT
+   p50 / p99 and TPOT p50 / p99. The issue's target: every error <= 10%, the median <= 5%.
+
+Timings on a shared machine are noisy: the machine line and the load average (`uptime`) are
+printed with the table. The fitted efficiencies are printed too: on a GPU
+(scripts/gpu_check.sh) they are what a profile in gpus.toml should be corrected to.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from refserve.bench.common import print_table, pyplot, save_figure
+from refserve.bench.workloads import make_workload, poisson_arrivals
+from refserve.metrics import summarize
+from refserve.sampling import SamplingParams
+
+HELP = "the simulator's error against the real engine (throughput, TTFT, TPOT)"
+POSITIVE = ("scale",)
+METRICS = (("throughput", "output_tokens_per_s"), ("ttft_p50", "ttft_p50"),
+           ("ttft_p99", "ttft_p99"), ("tpot_p50", "tpot_p50"), ("tpot_p99", "tpot_p99"))
+TARGET_MAX, TARGET_MEDIAN = 0.10, 0.05
+
+
+def add_arguments(s) -> None:
+    s.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every workload's request count and lengths (--quick: 0.35)")
+
+
+def apply_quick(args) -> None:
+    args.scale = min(args.scale, 0.35)
+
+
+@dataclass
+class Request:
+    request_id: str
+    arrival: float            # seconds after the run starts
+    prompt: list[int]
+    max_tokens: int
+
+
+class StepProfile:
+    """An LLMEngine observer: (StepComposition, seconds) of every step."""
+
+    def __init__(self) -> None:
+        from refserve.simulator.cost_model import StepComposition
+
+        self._of = StepComposition.of
+        self.samples: list = []
+
+    def arrive(self, request_id, t) -> None:
+        pass
+
+    def step(self, t_start, t_end, out, update, outputs) -> None:
+        if out.scheduled:
+            self.samples.append((self._of(out), t_end - t_start))
+
+
+def drive(engine, requests: list[Request]) -> tuple[dict, float]:
+    """Run `requests` on the real engine, each added once the wall clock passes its arrival
+    (between steps, as a server's loop does; idle until the next one). Returns the finished
+    RequestOutputs by id and the elapsed seconds from the first arrival to the last finish."""
+    pending = sorted(requests, key=lambda r: r.arrival)
+    finished, i = {}, 0
+    t0 = time.perf_counter()
+    while i < len(pending) or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while i < len(pending) and pending[i].arrival <= now:
+            r = pending[i]
+            engine.add_request(r.request_id, r.prompt, SamplingParams(
+                max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0),
+                arrival_time=t0 + r.arrival)
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[i].arrival - (time.perf_counter() - t0)))
+            continue
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+    start = t0 + pending[0].arrival
+    return finished, max(o.metrics.finish_time for o in finished.values()) - start
+
+
+def _tokens(rng, n: int, vocab: int) -> list[int]:
+    low = min(1000, vocab // 2)
+    return rng.integers(low, vocab, int(n)).tolist()
+
+
+def profile_requests(scale: float, vocab: int, seed: int) -> list[list[Request]]:
+    """The fitting run's phases: batches of 1..16 (prompts 24..200, 16 decodes) and a long
+    prompt chunked under 4 decodes."""
+    rng = np.random.default_rng([seed, 1])
+    phases = []
+    for b in (1, 2, 4, 8, 16):
+        phases.append([Request(f"p{b}-{j}", 0.0, _tokens(rng, rng.integers(24, 201), vocab),
+                               max(8, round(16 * scale))) for j in range(b)])
+    long = [Request(f"long-{j}", 0.0, _tokens(rng, 24, vocab), max(8, round(40 * scale)))
+            for j in range(4)]
+    long.append(Request("long", 0.05, _tokens(rng, 700, vocab), 4))
+    phases.append(long)
+    return phases
+
+
+def workloads_to_test(scale: float, vocab: int, seed: int) -> dict[str, tuple[dict, list]]:
+    """name -> (engine config, requests): the module docstring's four workloads."""
+    rng = np.random.default_rng([seed, 2])
+    n = lambda x: max(2, round(x * scale))  # noqa: E731
+    wl = make_workload(n(16), seed + 11, vocab, mean_output=max(8, round(48 * scale)),
+                       output_range=(4, 256))
+    batching = [Request(f"b{i}", 0.0, p, m)
+                for i, (p, m) in enumerate(zip(wl.prompts, wl.output_lens))]
+    chunked = [Request(f"c{i}", 0.0, _tokens(rng, rng.integers(16, 33), vocab),
+                       n(96)) for i in range(4)]
+    chunked.append(Request("c-long", 0.1, _tokens(rng, n(1024), vocab), 8))
+    system = _tokens(rng, 256, vocab)
+    prefix = [Request(f"s{i}", 0.0, system + _tokens(rng, rng.integers(16, 33), vocab), 16)
+              for i in range(n(12))]
+    chat = make_workload(n(24), seed + 12, vocab, mean_output=max(8, round(48 * scale)),
+                         output_range=(4, 256))
+    times = poisson_arrivals(len(chat.prompts), 4.0, seed + 13)
+    poisson = [Request(f"q{i}", t, p, m)
+               for i, (t, p, m) in enumerate(zip(times, chat.prompts, chat.output_lens))]
+    base = dict(enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=256)
+    return {"batching": (base, batching),
+            "chunked": ({**base, "max_num_batched_tokens": 64}, chunked),
+            "prefix": ({**base, "enable_prefix_caching": True, "max_num_seqs": 4}, prefix),
+            "poisson": (base, poisson)}
+
+
+def make_engine(args, observer=None, **config):
+    from refserve.engine import LLMEngine
+
+    engine = LLMEngine(model=args.model, backend="numpy", progress=False, **config)
+    # Warm-up outside the measurement: first calls allocate and pick BLAS kernels.
+    warm = [Request(f"warm{i}", 0.0, [1000 + i] * 40, 4) for i in range(2)]
+    drive(engine, warm)
+    engine.observer = observer
+    return engine
+
+
+def simulate(engine, cost_model, requests: list[Request], outputs: dict):
+    """The same requests on the simulator: the real engine's pool, config and tokens."""
+    from refserve.config import EngineConfig
+    from refserve.simulator import SimRequest, SimulatedEngine
+
+    c = engine.config
+    config = EngineConfig(
+        max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+        long_prefill_token_threshold=c.long_prefill_token_threshold,
+        block_size=c.block_size, max_model_len=engine.max_model_len,
+        enable_prefix_caching=c.enable_prefix_caching, dtype="float32",
+        num_gpu_blocks_override=engine.num_blocks)
+    sim = SimulatedEngine(cost_model.model, cost_model.gpu, config, cost_model=cost_model)
+    reqs = [SimRequest(r.request_id, r.arrival, r.prompt,
+                       list(outputs[r.request_id].outputs[0].token_ids)) for r in requests]
+    return sim.run(reqs).summary
+
+
+def run(args) -> dict:
+    from refserve.bench.roofline import measure_ceilings
+    from refserve.simulator.cost_model import CostModel, fit
+    from refserve.simulator.hardware import host_profile, load_model
+
+    load = os.getloadavg()
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (uptime) on "
+          f"{os.cpu_count()} CPUs", flush=True)
+    print("measuring this machine's ceilings (float32 matmul, array copy)...", flush=True)
+    gpu = host_profile(measure_ceilings(1024, 128))
+    profile = StepProfile()
+    engine = make_engine(args, profile, max_num_seqs=16, max_num_batched_tokens=256,
+                         enable_prefix_caching=False)
+    shape = load_model(str(engine.model_path))
+    vocab = shape.vocab_size
+    t0 = time.perf_counter()
+    for phase in profile_requests(args.scale, vocab, args.seed):
+        drive(engine, phase)
+    fitted = fit(CostModel(shape, gpu, "float32"), profile.samples, separate_kv=True)
+    cm = fitted.cost_model
+    print(f"fit: {fitted.num_samples} steps profiled in {time.perf_counter() - t0:.1f} s, "
+          f"rms relative error {fitted.rms_relative_error:.1%}, max "
+          f"{fitted.max_relative_error:.1%}\n{cm.describe()}", flush=True)
+    del engine
+    rows = []
+    for name, (config, requests) in workloads_to_test(args.scale, vocab, args.seed).items():
+        engine = make_engine(args, None, **config)
+        outputs, elapsed = drive(engine, requests)
+        real = summarize([o.metrics for o in outputs.values()], elapsed, {})
+        sim = simulate(engine, cm, requests, outputs)
+        row = {"workload": name, "requests": len(requests), "steps": sim.num_steps}
+        for label, attr in METRICS:
+            r, s = getattr(real, attr), getattr(sim, attr)
+            row[f"real_{label}"], row[f"sim_{label}"] = r, s
+            row[f"err_{label}"] = (s - r) / r if r and s is not None else None
+        rows.append(row)
+        print(f"  {name}: real {real.format()}", flush=True)
+        del engine
+    errors = [abs(row[f"err_{label}"]) for row in rows for label, _ in METRICS
+              if row[f"err_{label}"] is not None]
+    median, worst = float(np.median(errors)), float(np.max(errors))
+    table = [{"workload": row["workload"], **{label: _pct(row[f"err_{label}"])
+                                              for label, _ in METRICS}} for row in rows]
+    print()
+    print_table(table, [("workload", "workload", "")] +
+                [(label, label + " err", "") for label, _ in METRICS])
+    verdict = ("meets" if worst <= TARGET_MAX and median <= TARGET_MEDIAN else "misses")
+    print(f"\nerrors (simulated - real) / real: median {median:.1%}, max {worst:.1%} -> "
+          f"{verdict} the target (every error <= {TARGET_MAX:.0%}, median <= "
+          f"{TARGET_MEDIAN:.0%}); load average at the end {os.getloadavg()[0]:.2f}")
+    e = cm.eff
+    return {"load_average_start": list(load), "load_average_end": list(os.getloadavg()),
+            "ceilings": {"peak_flops": gpu.peak("float32"),
+                         "memory_bandwidth": gpu.memory_bandwidth},
+            "fit": {"num_steps": fitted.num_samples,
+                    "rms_relative_error": fitted.rms_relative_error,
+                    "max_relative_error": fitted.max_relative_error,
+                    "efficiencies": {"flops": e.flops, "bandwidth": e.bandwidth,
+                                     "attention": e.attention,
+                                     "step_overhead_s": e.step_overhead_s,
+                                     "row_overhead_s": e.row_overhead_s}},
+            "rows": rows, "median_abs_error": median, "max_abs_error": worst,
+            "meets_target": verdict == "meets"}
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def plot(result: dict, path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [label for label, _ in METRICS]
+    width = 0.8 / max(len(result["rows"]), 1)
+    for i, row in enumerate(result["rows"]):
+        values = [100 * (row[f"err_{label}"] or 0.0) for label in labels]
+        ax.bar(np.arange(len(labels)) + i * width, values, width, label=row["workload"])
+    for y in (-100 * TARGET_MAX, 100 * TARGET_MAX):
+        ax.axhline(y, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xticks(np.arange(len(labels)) + width * (len(result["rows"]) - 1) / 2, labels)
+    ax.set_ylabel("simulated - real (% of real)")
+    ax.set_title(f"simulator fidelity: median |error| {result['median_abs_error']:.1%}, "
+                 f"max {result['max_abs_error']:.1%}")
+    ax.legend()
+    save_figure(fig, result, path)
