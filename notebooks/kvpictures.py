@@ -6,6 +6,11 @@
     snapshot(manager, seqs)             a frozen copy of that state, to draw later
     before_after(before, after)         two snapshots side by side
 
+How a block-table entry is drawn: "→P" names its physical block, "KV c/16" the slots whose
+K and V are written (computed tokens); the bar under it is solid for those and hatched for
+tokens of the sequence that fall in the block but are not computed yet (the rest of a
+chunked prompt). The label on the left reads "computed/total tok".
+
 How a pool block is drawn:
     coloured          held by one sequence (the colour of its block table)
     hatched, "rc=N"   shared: N block tables hold it (fork or prefix-cache hit)
@@ -75,18 +80,27 @@ def draw_kv(manager, seqs, ax=None, title: str = "", per_row: int = 16):
         i = seqs.index(seq)
         y = top - 1 - r
         table = manager.get_block_ids(seq.seq_id)
-        ax.text(-0.2, y + 0.5, f"seq {seq.seq_id}\n{seq.num_tokens} tok", ha="right",
-                va="center", fontsize=8, color=COLORS[i % len(COLORS)])
+        color = COLORS[i % len(COLORS)]
+        # Computed (KV written) vs total tokens: a chunked prefill holds tokens whose KV is
+        # not written yet, and the picture must not show them as if it were.
+        ax.text(-0.2, y + 0.5, f"seq {seq.seq_id}\n{seq.num_computed_tokens}/{seq.num_tokens} "
+                "tok\ncomputed", ha="right", va="center", fontsize=7, color=color)
         for logical, block_id in enumerate(table):
-            fill = min(bs, max(0, seq.num_tokens - logical * bs))
-            ax.add_patch(Rectangle((logical + 0.05, y + 0.05), 0.9, 0.9,
-                                   facecolor=COLORS[i % len(COLORS)], alpha=0.35,
-                                   edgecolor="black"))
-            # The filled part of the block: fill / block_size of its width.
-            ax.add_patch(Rectangle((logical + 0.05, y + 0.05), 0.9 * fill / bs, 0.25,
-                                   facecolor=COLORS[i % len(COLORS)], edgecolor="none"))
-            ax.text(logical + 0.5, y + 0.6, f"→{block_id}\n{fill}/{bs}", ha="center",
-                    va="center", fontsize=7)
+            start = logical * bs
+            done = min(bs, max(0, seq.num_computed_tokens - start))
+            fill = min(bs, max(0, seq.num_tokens - start))
+            ax.add_patch(Rectangle((logical + 0.05, y + 0.05), 0.9, 0.9, facecolor=color,
+                                   alpha=0.2, edgecolor="black"))
+            # The bar: solid for slots whose KV is written, hatched for tokens of the
+            # sequence that fall in this block but are not computed yet.
+            ax.add_patch(Rectangle((logical + 0.05, y + 0.05), 0.9 * done / bs, 0.25,
+                                   facecolor=color, edgecolor="none"))
+            if fill > done:
+                ax.add_patch(Rectangle((logical + 0.05 + 0.9 * done / bs, y + 0.05),
+                                       0.9 * (fill - done) / bs, 0.25, facecolor="none",
+                                       edgecolor=color, hatch="////", linewidth=0.5))
+            ax.text(logical + 0.5, y + 0.62, f"→{block_id}\nKV {done}/{bs}", ha="center",
+                    va="center", fontsize=6.5)
             px, py = pool_xy[block_id]
             ax.add_patch(FancyArrowPatch((logical + 0.5, y + 0.05), (px, py),
                                          arrowstyle="->", color=COLORS[i % len(COLORS)],
@@ -97,8 +111,9 @@ def draw_kv(manager, seqs, ax=None, title: str = "", per_row: int = 16):
     ax.set_ylim(-0.2, top + 0.2)
     ax.set_aspect("equal")
     ax.axis("off")
+    legend = "; bars: KV written (solid), not computed yet (hatched)" if live else ""
     ax.set_title(f"{title}\n{manager.num_held_blocks} held, {manager.num_evictable_blocks} "
-                 f"evictable (cached), {manager.num_free_blocks} free", fontsize=9)
+                 f"evictable (cached), {manager.num_free_blocks} free{legend}", fontsize=8)
     return ax
 
 

@@ -16,8 +16,9 @@ block tables and the pool before and after each operation.
   `kv_cache_manager.py`, `prefix_cache.py`)
 * grading: `pytest -m block_table`, `-m allocator`, `-m cow`, `-m prefix_cache`
 
-How to read the pictures: the top rows are block tables (one per sequence; `→7 3/4` means
-"stored in physical block 7, 3 of 4 slots filled"), the bottom grid is the physical pool. A
+How to read the pictures: the top rows are block tables (one per sequence; `→7 KV 3/4` means
+"stored in physical block 7, K/V written in 3 of its 4 slots"; a hatched bar would be tokens
+not computed yet), the bottom grid is the physical pool. A
 hatched pool block with `rc=2` is shared by two tables; a grey `cached` block is free but its
 KV is still findable by the prefix cache.
 """),

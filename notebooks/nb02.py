@@ -165,6 +165,11 @@ Now the step is applied, and this is the ONLY place a sequence finishes:
 under the stop rules (EOS, stop ids, stop strings, lengths: `refserve/scheduler/stop_rules.py`),
 full computed blocks are hashed for the prefix cache, finished sequences are RETIRED and their
 blocks released. The `StepUpdate` it returns records what it decided.
+
+In the picture each block-table entry says how many of its slots hold written K/V
+(`KV c/4`), and each sequence how many of its tokens are computed: `long` has 13 of 14 (the
+token just sampled gets its KV in the next step, hatched), `mid` 3 of 8: its chunk filled 3
+slots of block 4, and the other 5 prompt tokens have no KV (nor, past block 4, a block) yet.
 """),
     ("code", r"""
 update = scheduler.update(out, sampled)

@@ -132,6 +132,7 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_stop_rules.py", r"spec", ("scheduler", "spec_e2e")),
     ("test_stop_rules.py", None, ("scheduler",)),
     ("test_sampling.py", None, ("sampling",)),
+    ("test_vllm_sampling_fields.py", None, ("sampling",)),
     ("test_engine_smollm2.py", r"chunking_and_preemption",
      ("engine", "model_parity", "chunked_prefill", "preemption")),
     ("test_engine.py", r"prefix_cache", ("engine", "prefix_cache")),

@@ -70,6 +70,26 @@ def test_same_distribution_and_tokens_as_the_host_sampler(data, vocab, batch):
     assert device_sample(logits, params, uniforms).tolist() == host
 
 
+FIVE = [2.0, 1.0, 0.0, -1.0, -3.0]
+# Each mechanism's key cases, every run (the Hypothesis test above draws its params at
+# random): min_p with T on both sides of 1, top_k through tied logits, top_p with a
+# temperature, and all of them at once; each at three uniforms.
+KEY_CASES = [(FIVE, dict(temperature=0.5, min_p=0.2)), (FIVE, dict(temperature=1.7, min_p=0.2)),
+             ([3.0, 1.0, 1.0, 1.0, 0.0], dict(temperature=1.0, top_k=2)),
+             (FIVE, dict(temperature=0.5, top_p=0.9)), (FIVE, dict(temperature=1.7, top_p=0.5)),
+             ([3.0, 2.5, 2.0, 1.0, 0.0], dict(temperature=1.5, top_k=4, top_p=0.9, min_p=0.05))]
+
+
+@pytest.mark.parametrize("logits,kw", KEY_CASES, ids=[str(kw) for _, kw in KEY_CASES])
+def test_key_cases_match_the_host_sampler(logits, kw):
+    row, params = np.array(logits, np.float32), SamplingParams(**kw)
+    np.testing.assert_allclose(kept_probabilities(row, params), probabilities(row, params),
+                               rtol=1e-5, atol=1e-7)
+    for u in (0.05, 0.5, 0.95):
+        host = Sampler().sample(row[None], [params], [FixedUniform(u)])
+        assert device_sample(row[None], [params], [u]).tolist() == host
+
+
 def test_greedy_rows_take_the_first_maximum_and_ignore_their_uniform():
     logits = np.array([[0.0, 2.0, 2.0, 1.0]], np.float32)
     for u in (0.0, 0.99):
@@ -86,7 +106,8 @@ def test_zero_weight_tokens_are_never_drawn():
 
 
 @pytest.mark.parametrize("kwargs", [dict(presence_penalty=0.5), dict(min_tokens=2),
-                                    dict(logprobs=1)])
+                                    dict(logprobs=1), dict(logit_bias={1: 1.0}),
+                                    dict(allowed_token_ids=[1]), dict(bad_words=["x"])])
 def test_rows_needing_the_host_path_are_reported(kwargs):
     assert ds.rows_supported([SamplingParams(temperature=1.0)])
     assert not ds.rows_supported([SamplingParams(temperature=1.0), SamplingParams(**kwargs)])

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from refserve.spec_decode import warping
@@ -33,7 +33,29 @@ def reference_row(logits, temperature, top_k, top_p, min_p=0.0):
     return p
 
 
+FIVE = [2.0, 1.0, 0.0, -1.0, -3.0]
+# Each mechanism's key cases, run every time (Hypothesis's draws may miss one for a whole
+# run): min_p with T on both sides of 1 (a min_p taken on the untempered p agrees at T = 1
+# only), top_k through a run of tied logits and with a temperature, top_p with a
+# temperature, greedy beside a sampled row, and everything at once. Row: (logits, T, top_k,
+# top_p, min_p).
+KEY_ROWS = [
+    [(FIVE, 0.5, 0, 1.0, 0.2)], [(FIVE, 2.0, 0, 1.0, 0.2)], [(FIVE, 0.3, 0, 1.0, 0.9)],
+    [([3.0, 1.0, 1.0, 1.0, 0.0], 1.0, 2, 1.0, 0.0)], [(FIVE, 0.7, 3, 1.0, 0.0)],
+    [(FIVE, 0.7, 0, 0.8, 0.0)], [(FIVE, 2.5, 0, 0.6, 0.0)],
+    [(FIVE, 0.0, 0, 1.0, 0.0), (FIVE, 1.0, 0, 1.0, 0.0)],
+    [([3.0, 2.5, 2.0, 1.0, 0.0], 1.5, 4, 0.9, 0.05)],
+]
+
+
+def with_key_rows(test):
+    for rows in reversed(KEY_ROWS):
+        test = example(rows=rows)(test)
+    return test
+
+
 @settings(max_examples=200, deadline=None)
+@with_key_rows
 @given(
     rows=st.lists(
         st.tuples(

@@ -148,3 +148,22 @@ def test_rows_that_rewrite_logits_do_not_speculate(tiny_dir):
         want = run(plain, params).outputs[0].token_ids
         assert run(spec_llm, params).outputs[0].token_ids == want, extra
     assert spec_llm.llm_engine.speculator.adaptive is not None
+
+
+def test_bad_words_hold_for_every_parallel_sample(offline):
+    """n > 1: the children forked from the parent carry its bad-word sequences too."""
+    tok = offline.llm_engine.tokenizer
+    params = dict(temperature=0.0, max_tokens=16, ignore_eos=True, n=3)
+    plain = run(offline, SamplingParams(**params)).outputs
+    ids = plain[0].token_ids
+    word = next((tok.decode([t]) for t in ids[2:] if tok.decode([t]).strip()
+                 and tok.decode([t]) == tok.decode([t]).lstrip()
+                 and tok.encode(tok.decode([t]), add_special_tokens=False) == [t]), None)
+    if word is None:
+        pytest.skip("the greedy output holds no re-encodable one-token word")
+    banned = set(offline.llm_engine.bad_words_token_ids(SamplingParams(bad_words=[word]))[0])
+    got = run(offline, SamplingParams(bad_words=[word], **params)).outputs
+    assert len(got) == 3
+    for child in got:
+        assert not banned & set(child.token_ids)
+        assert child.token_ids == got[0].token_ids         # greedy: all alike, as plain

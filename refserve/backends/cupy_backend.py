@@ -240,12 +240,13 @@ class CupyBackend(Backend):
         uniform (read for non-greedy rows only), on the device: int64 [B] device array.
 
         The rule is refserve/sampling.py's (device_sampling.py says where the two may differ:
-        only at float rounding of a CDF boundary). Rows with penalties, min_tokens or
-        logprobs are not supported here (device_sampling.rows_supported): use the host
-        Sampler for them.
+        only at float rounding of a CDF boundary). Rows with logits processors (penalties,
+        logit_bias, allowed_token_ids, bad_words, min_tokens) or logprobs are not supported
+        here (device_sampling.rows_supported): use the host Sampler for them.
         """
         if not device_sampling.rows_supported(params):
-            raise ValueError("CupyBackend.sample: penalties, min_tokens and logprobs run on "
+            raise ValueError("CupyBackend.sample: logits processors (penalties, logit_bias, "
+                             "allowed_token_ids, bad_words, min_tokens) and logprobs run on "
                              "the host Sampler (device_sampling.rows_supported is False)")
         xp = self.xp
         arrays = device_sampling.sampling_arrays(params, logits.shape[1])

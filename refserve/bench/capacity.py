@@ -98,9 +98,23 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
     pools = [r["pool_blocks"] for r in rows]
-    ax.plot(pools, [r["predicted"] for r in rows], "s--", label="predicted (capacity math)")
-    ax.plot(pools, [r["measured"] for r in rows], "o-", label="measured (engine)")
+    # When the two agree the lines coincide: measured is drawn thin and filled, predicted
+    # on top as wide hollow squares, so both stay visible; each point is labelled too.
+    ax.plot(pools, [r["measured"] for r in rows], "o-", color="tab:orange", ms=5, lw=1,
+            zorder=2, label="measured (engine)")
+    ax.plot(pools, [r["predicted"] for r in rows], "s--", color="tab:blue", ms=13, mfc="none",
+            mew=1.8, lw=2.5, alpha=0.8, zorder=3, label="predicted (capacity math)")
+    middle = (min(pools) + max(pools)) / 2
+    for r in rows:
+        right = r["pool_blocks"] > middle          # labels stay inside the axes
+        ax.annotate(f"predicted {r['predicted']}, measured {r['measured']}",
+                    (r["pool_blocks"], r["measured"]), textcoords="offset points",
+                    xytext=(-10 if right else 10, -14), ha="right" if right else "left",
+                    fontsize=7)
+    worst = max(abs(r["measured"] - r["predicted"]) for r in rows)
+    ax.set_title(f"largest |measured − predicted|: {worst} sequences", fontsize=9)
     ax.set_xlabel("KV pool (blocks)")
     ax.set_ylabel("concurrent sequences at full length")
-    ax.legend(fontsize=8)
+    ax.margins(x=0.15, y=0.12)
+    ax.legend(fontsize=8, loc="upper left")
     save_figure(fig, result, path)

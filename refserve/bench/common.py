@@ -122,9 +122,21 @@ def pyplot():
     return plt
 
 
+BANNER_FONTSIZE = 7
+
+
 def save_figure(fig, result: dict, path: Path) -> None:
-    fig.suptitle(f"{result['scenario']}: {machine_line(result['machine'])}", fontsize=7)
-    fig.tight_layout()
+    """The machine banner on top, wrapped to the figure's width (a long machine line, e.g.
+    with a GPU's name, would otherwise run past both edges of a narrow figure), then the
+    axes laid out below it."""
+    import textwrap
+
+    banner = f"{result['scenario']}: {machine_line(result['machine'])}"
+    # About 0.55 em per character: the line length that fits the figure, in characters.
+    fits = max(20, int(fig.get_figwidth() * 72 / (0.55 * BANNER_FONTSIZE)) - 4)
+    lines = textwrap.wrap(banner, fits)
+    fig.suptitle("\n".join(lines), fontsize=BANNER_FONTSIZE)
+    fig.tight_layout()      # makes room for the (suptitle) banner above the axes
     fig.savefig(path, dpi=110)
     print(f"plot written to {path}")
 

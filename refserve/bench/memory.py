@@ -123,17 +123,25 @@ def run(args) -> dict:
 
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    # n = 1 takes two panels: the naive cache is ~15x the paged one, so on one linear axis
+    # paged and used are squashed together near zero. A log axis shows all three; a linear
+    # zoom on paged vs used shows what paging still wastes (the last block's empty slots).
+    fig, (a, z, b) = plt.subplots(1, 3, figsize=(15, 3.9))
     one, four = result["trace"]["n1"], result["trace"]["n4"]
-    a.plot([s["naive"] for s in one], label="naive (max_model_len each)", color="tab:gray")
-    a.plot([s["paged"] for s in one], label="paged blocks", color="tab:green")
-    a.plot([s["used"] for s in one], label="used", color="black", lw=0.8)
-    a.set_title("n = 1: KV slots per step")
+    for ax in (a, z):
+        if ax is a:
+            ax.plot([s["naive"] for s in one], label="naive (max_model_len each)",
+                    color="tab:gray")
+        ax.plot([s["paged"] for s in one], label="paged blocks", color="tab:green")
+        ax.plot([s["used"] for s in one], label="used", color="black", lw=0.8)
+    a.set_yscale("log")
+    a.set_title("n = 1: KV slots per step (log scale)")
+    z.set_title("n = 1: paged vs used (linear)")
     b.plot([s["no_cow"] for s in four], label="without copy-on-write", color="tab:orange")
     b.plot([s["paged"] for s in four], label="with copy-on-write", color="tab:green")
     b.plot([s["used"] for s in four], label="used", color="black", lw=0.8)
     b.set_title("n = 4 parallel samples: KV slots per step")
-    for ax in (a, b):
+    for ax in (a, z, b):
         ax.set_xlabel("engine step")
         ax.set_ylabel("slots")
         ax.legend(fontsize=8)
