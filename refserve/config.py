@@ -14,6 +14,7 @@
 | long_prefill_token_threshold | most tokens one prefill takes per step (0: no cap; None: backend) |
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
 | prefix_caching_policy | "hash" (vLLM's hash chain, default) or "radix" (SGLang's tree) |
+| scheduling_policy | waiting-queue order: "fcfs", "lpm" (longest cached prefix), "priority" |
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
 | dtype | weights and KV cache: auto (float32 on NumPy), float32, float16, bfloat16 |
@@ -42,6 +43,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 BATCHING = ("continuous", "static")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
 PREFIX_CACHING_POLICIES = ("hash", "radix")  # kv_cache_manager.py checks the same list
+SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")  # scheduler/policy.py's
 
 # The token budget of one step when max_num_batched_tokens is None, per backend, chosen as
 # vLLM chooses its defaults per device: one step at the budget must stay well under a second,
@@ -102,6 +104,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None  # None: the backend's default (0: off)
     enable_prefix_caching: bool = True
     prefix_caching_policy: str = "hash"
+    scheduling_policy: str = "fcfs"
     batching: str = "continuous"
     kv_cache_layout: str = "paged"
     speculative_config: dict | SpeculativeConfig | None = None
@@ -141,6 +144,12 @@ class EngineConfig:
         if self.prefix_caching_policy not in PREFIX_CACHING_POLICIES:
             raise ValueError(f"prefix_caching_policy={self.prefix_caching_policy!r}: choose "
                              f"one of {', '.join(PREFIX_CACHING_POLICIES)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: choose one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
+        if self.batching == "static" and self.scheduling_policy != "fcfs":
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} needs "
+                             "batching='continuous' (static batching forms batches fcfs)")
         if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}: choose one of "
                              f"{', '.join(KV_CACHE_LAYOUTS)}")

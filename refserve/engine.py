@@ -162,7 +162,9 @@ class LLMEngine:
         self.scheduler = scheduler_cls(
             config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache_manager,
             self.max_model_len, eos_token_id=self.eos_token_id,
-            long_prefill_token_threshold=config.long_prefill_token_threshold)
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            **({"scheduling_policy": config.scheduling_policy}
+               if config.batching != "static" else {}))
         self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size,
                                   enforce_eager=config.enforce_eager)
         self.sampler = Sampler()
@@ -257,11 +259,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt,
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """vLLM's `add_request(request_id, prompt, params)`: queue one request; its outputs
-        come from `step()`. `prompt`: text, token ids or a prompt dict (refserve/inputs.py);
-        request_id None picks a fresh one (refserve's extra). Returns the request id."""
+                    arrival_time: float | None = None, priority: int = 0) -> str:
+        """vLLM's `add_request(request_id, prompt, params, arrival_time, priority)`: queue
+        one request; its outputs come from `step()`. `prompt`: text, token ids or a prompt
+        dict (refserve/inputs.py); request_id None picks a fresh one (refserve's extra).
+        `priority` (vLLM's): lower runs first, only with scheduling_policy="priority".
+        Returns the request id."""
         params = params or SamplingParams()
+        self.check_priority(priority)
         if request_id is None:
             request_id = str(next(self._request_counter))
         if request_id in self.requests:
@@ -282,11 +287,21 @@ class LLMEngine:
         # The stop rules grow the text token by token (scheduler/stop_rules.py).
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        seq.priority = priority
         self.scheduler.add_sequence(seq)  # gives the sequence its id
         req.seqs.append(seq)
         req.generators[seq.seq_id] = make_generator(seed, 0)
         self.requests[request_id] = req
         return request_id
+
+    def check_priority(self, priority) -> None:
+        """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority={priority!r}: must be an integer (lower runs first)")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} given, but scheduling_policy is "
+                             f"{self.config.scheduling_policy!r}; use "
+                             "scheduling_policy='priority'")
 
     def abort_request(self, request_id) -> bool:
         """vLLM's name: stop a waiting, running or preempted request (or each of an

@@ -65,6 +65,8 @@ class Sequence:
         # hit more of its own blocks; that saves recomputation but does not change this.
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # vLLM's request priority (scheduling_policy="priority"): lower runs first.
+        self.priority = 0
         self.detokenizer: IncrementalDetokenizer | None = None
         self.stop_reason: int | str | None = None  # the stop string or stop token id
         self.output_text_end: int | None = None  # the visible text ends here (a stop)
@@ -112,6 +114,7 @@ class Sequence:
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.priority = self.priority
         child.detokenizer = None if self.detokenizer is None else self.detokenizer.copy()
         child.awaiting_fork = False
         child.first_token_time = self.first_token_time

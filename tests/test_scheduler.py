@@ -122,9 +122,11 @@ def make_seq(request_id: str, prompt_len: int, max_tokens: int, **params) -> Seq
 
 
 def make(cls=Scheduler, *, num_blocks=64, block_size=4, max_num_seqs=4, budget=64,
-         max_model_len=512, prefix=True, eos=None):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    sched = cls(max_num_seqs, budget, kv, max_model_len, eos_token_id=eos)
+         max_model_len=512, prefix=True, eos=None, prefix_policy="hash", policy="fcfs"):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix,
+                        prefix_caching_policy=prefix_policy)
+    extra = {} if cls is StaticScheduler else {"scheduling_policy": policy}
+    sched = cls(max_num_seqs, budget, kv, max_model_len, eos_token_id=eos, **extra)
     return sched, kv, FakeRunner(kv)
 
 
@@ -155,6 +157,7 @@ def workloads(draw):
         prompt = (PREFIXES[group][:shared] if group is not None else []) + own
         requests.append(dict(
             request_id=f"r{i}", prompt=prompt, arrival=draw(st.integers(0, 15)),
+            priority=draw(st.integers(0, 3)),
             max_tokens=draw(st.integers(1, 40)),
             stop_at=draw(st.none() | st.integers(0, 39)),
             ignore_eos=draw(st.booleans()),
@@ -167,13 +170,16 @@ def workloads(draw):
                 extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 10, 100])),
                 max_num_seqs=draw(st.integers(1, 8)),
                 budget=draw(st.sampled_from([1, 5, 16, 32, 64, 256])),
-                prefix=draw(st.booleans()))
+                prefix=draw(st.booleans()),
+                prefix_policy=draw(st.sampled_from(["hash", "radix"])))
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static"])
+@pytest.mark.parametrize("batching, policy", [("continuous", "fcfs"), ("static", "fcfs"),
+                                              ("continuous", "lpm"),
+                                              ("continuous", "priority")])
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads())
-def test_random_workloads(batching, w):
+def test_random_workloads(batching, policy, w):
     requests, max_model_len, bs = w["requests"], w["max_model_len"], w["block_size"]
     r0 = requests[0]
     eos = None if w["eos_from"] is None else stub_next_token(
@@ -191,10 +197,15 @@ def test_random_workloads(batching, w):
                    blocks_for_tokens(len(r["prompt"]) + 1, bs)) for r in requests)
     sched, kv, runner = make(SCHEDULERS[batching], num_blocks=need + w["extra_blocks"],
                              block_size=bs, max_num_seqs=w["max_num_seqs"], budget=w["budget"],
-                             max_model_len=max_model_len, prefix=w["prefix"], eos=eos)
+                             max_model_len=max_model_len, prefix=w["prefix"], eos=eos,
+                             prefix_policy=w["prefix_policy"], policy=policy)
     # Liveness: the oldest running sequence gets budget first and is never preempted, so
-    # every step advances it; no request needs more steps than it has tokens.
+    # every step advances it; no request needs more steps than it has tokens. Under
+    # "priority" a later, more urgent arrival can preempt the one served first, so the
+    # work lost to preemption is bounded by one redo per later arrival instead.
     bound = sum(len(r["prompt"]) + r["max_tokens"] for r in requests)
+    if policy == "priority":
+        bound *= len(requests)
 
     seqs: dict[str, Sequence] = {}
     finished: dict[str, Sequence] = {}
@@ -205,6 +216,7 @@ def test_random_workloads(batching, w):
         for r in requests:
             if r["arrival"] == clock:
                 seq = Sequence(r["request_id"], r["prompt"], r["params"])
+                seq.priority = r["priority"]
                 seqs[r["request_id"]] = seq
                 sched.add_sequence(seq)
             if (r["abort_after"] is not None and r["arrival"] + r["abort_after"] == clock

@@ -4,14 +4,17 @@ Continuous batching (`continuous.py`) and static batching (`static.py`) differ o
 joins the running batch and when a finished sequence gives its seat back; everything else
 lives here:
 
-    ADVANCE  running sequences, oldest first. Each gets
+    ADVANCE  running sequences, oldest first (scheduling_policy="priority": highest
+             priority first, policy.py). Each gets
                  n = min(tokens left to compute, budget_left)
              tokens: 1 for a decode, the next chunk of an unfinished prefill (chunked
              prefill), 1 + k for a speculative verify (the drafts of this step's proposals
              that fit the budget: scheduler/drafts.py). Its KV slots come from
              `kv_cache_manager.allocate_slots`.
     PREEMPT  while the pool cannot serve a running sequence (`kv.can_allocate` is False),
-             the NEWEST running sequence is preempted (recompute: its blocks are freed, it
+             the NEWEST running sequence is preempted ("priority": the lowest priority,
+             newest among equals; always the last of the ADVANCE order, so never one
+             already served this step) (recompute: its blocks are freed, it
              goes back to the HEAD of the waiting queue with its tokens kept, and is
              prefilled again when readmitted). The newest may be the sequence itself. Why
              the newest: it has the least computed work to lose and arrived last, so the
@@ -48,6 +51,7 @@ from refserve.scheduler.output import (
     SchedulerOutput,
     StepUpdate,
 )
+from refserve.scheduler.policy import SchedulingPolicy, make_policy
 from refserve.scheduler.stop_rules import append_tokens
 from refserve.sequence import Sequence, SequenceStatus
 
@@ -68,7 +72,8 @@ class SchedulerBase:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
                  eos_token_id: int | None = None,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0,
+                 scheduling_policy: str | SchedulingPolicy = "fcfs") -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -85,6 +90,9 @@ class SchedulerBase:
             raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold!r}: "
                              "must be an integer >= 0")
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # The admission order of `waiting` and the preemption victim (policy.py).
+        self.policy = (scheduling_policy if isinstance(scheduling_policy, SchedulingPolicy)
+                       else make_policy(scheduling_policy))
 
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -341,25 +349,27 @@ class SchedulerBase:
 
     def _advance(self, out: SchedulerOutput, budget: int,
                  proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> int:
-        """ADVANCE every running sequence, oldest first, while budget is left; a sequence
-        the pool cannot serve preempts the newest running ones. Returns the budget left."""
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        """ADVANCE every running sequence in the policy's running order (oldest first) while
+        budget is left; a sequence the pool cannot serve preempts the policy's victims (the
+        newest). Returns the budget left."""
+        for seq in self.policy.running_order(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
             proposal = proposals.get(seq.seq_id)
             drafts = proposal.token_ids if proposal is not None else ()
             num_tokens = self._schedule_or_preempt(seq, budget, out, drafts)
             if num_tokens is None:
-                break  # seq preempted itself: it was the newest, nobody runs after it
+                break  # seq preempted itself: it was the last of the order, nobody is left
             budget -= num_tokens
-            index += 1
         return budget
 
     def _schedule_or_preempt(self, seq: Sequence, budget: int, out: SchedulerOutput,
                              drafts: tuple[int, ...] = ()) -> int | None:
         """Give running `seq` its next tokens (and the `drafts` that fit), preempting the
-        NEWEST running sequence while the pool is short. Returns the tokens scheduled
-        (>= 1), or None if seq itself was the one preempted."""
+        policy's victim (fcfs, lpm: the NEWEST running sequence) while the pool is short.
+        Returns the tokens scheduled (>= 1), or None if seq itself was the one preempted."""
         num_tokens, computed_blocks, verify = self._plan_row(seq, budget, drafts)
         while not self.kv_cache_manager.can_allocate(seq, num_tokens, computed_blocks):
             if verify:
@@ -367,7 +377,7 @@ class SchedulerBase:
                 num_tokens, computed_blocks, verify = self._plan_row(seq, budget)
                 continue
             # BEGIN EXERCISE scheduler_preempt: preempt the NEWEST running sequence (maybe seq)
-            victim = self.running[-1]  # the newest running sequence
+            victim = self.policy.preemption_victim(self.running)  # fcfs: the newest
             if victim is seq and self._holding <= {seq.seq_id}:
                 raise RuntimeError(
                     f"sequence {seq.seq_id} alone cannot fit its {seq.num_tokens} tokens "
