@@ -65,7 +65,7 @@ class Scheduler(SchedulerBase):
             if budget <= 0 or seats_used + seq.num_seats > self.max_num_seqs:
                 break
             num_tokens, computed_blocks, _ = self._plan_row(seq, budget)
-            if not self.kv_cache_manager.can_allocate(seq, num_tokens, computed_blocks):
+            if not self._can_allocate(seq, num_tokens, computed_blocks):  # swap-aware
                 break
             self._schedule_row(seq, num_tokens, computed_blocks, out)
             admitted.append(seq)
