@@ -14,6 +14,9 @@
 | long_prefill_token_threshold | most tokens one prefill takes per step (0: no cap; None: backend) |
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
 | prefix_caching_policy | "hash" (vLLM's hash chain, default) or "radix" (SGLang's tree) |
+| scheduling_policy | waiting-queue order: "fcfs", "lpm" (longest cached prefix), "priority" |
+| preemption_mode | "recompute" (vLLM v1's only one) or "swap": the KV to host memory and back |
+| swap_space | GiB of host memory for swapped-out KV blocks (vLLM's; preemption_mode="swap") |
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
 | dtype | weights and KV cache: auto (float32 on NumPy), float32, float16, bfloat16 |
@@ -42,6 +45,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 BATCHING = ("continuous", "static")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
 PREFIX_CACHING_POLICIES = ("hash", "radix")  # kv_cache_manager.py checks the same list
+SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")  # scheduler/policy.py's
+PREEMPTION_MODES = ("recompute", "swap")  # scheduler/swapping.py's
 
 # The token budget of one step when max_num_batched_tokens is None, per backend, chosen as
 # vLLM chooses its defaults per device: one step at the budget must stay well under a second,
@@ -102,6 +107,9 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None  # None: the backend's default (0: off)
     enable_prefix_caching: bool = True
     prefix_caching_policy: str = "hash"
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0  # GiB, vLLM's default; allocated only for preemption_mode="swap"
     batching: str = "continuous"
     kv_cache_layout: str = "paged"
     speculative_config: dict | SpeculativeConfig | None = None
@@ -141,6 +149,18 @@ class EngineConfig:
         if self.prefix_caching_policy not in PREFIX_CACHING_POLICIES:
             raise ValueError(f"prefix_caching_policy={self.prefix_caching_policy!r}: choose "
                              f"one of {', '.join(PREFIX_CACHING_POLICIES)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: choose one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
+        if self.batching == "static" and self.scheduling_policy != "fcfs":
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} needs "
+                             "batching='continuous' (static batching forms batches fcfs)")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}: choose one of "
+                             f"{', '.join(PREEMPTION_MODES)}")
+        if (isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float))
+                or not self.swap_space >= 0):
+            raise ValueError(f"swap_space={self.swap_space!r}: must be a number of GiB >= 0")
         if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise ValueError(f"kv_cache_layout={self.kv_cache_layout!r}: choose one of "
                              f"{', '.join(KV_CACHE_LAYOUTS)}")
@@ -168,3 +188,8 @@ class EngineConfig:
             # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}), checked
             # and turned into a SpeculativeConfig (refserve/speculative_config.py).
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if (self.preemption_mode == "swap"
+                    and self.speculative_config.method == "draft_model"):
+                raise ValueError("preemption_mode='swap' with a draft model: the draft's own "
+                                 "KV cache is not swapped; use preemption_mode='recompute' "
+                                 "or the ngram method")

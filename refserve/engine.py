@@ -8,7 +8,7 @@ notebook can make in its own cell (values flow from one to the next; nothing is 
     proposals = engine.propose()                      # speculative drafts ({} without)
     out       = scheduler.schedule(proposals)         # admit / advance / preempt
     inputs    = runner.prepare(out)                   # flat batch + attention metadata
-    runner.copy_blocks(out.block_copies)              # copy-on-write before anyone writes
+    runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)  # swaps, copy-on-write
     logits    = runner.forward(inputs)                # per layer: write_kv, paged_attention
     sampled   = engine.sample(out, logits, proposals) # a token per row; 1..k+1 per verify
     update    = scheduler.update(out, sampled)        # append under the stop rules, roll
@@ -43,6 +43,7 @@ from refserve.config import (
 from refserve.detokenizer import IncrementalDetokenizer
 from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
+from refserve.kv_cache.host_pool import HostBlockPool, host_blocks_for_swap_space
 from refserve.logits_processors import bad_words_token_ids
 from refserve.metrics import RequestMetrics
 from refserve.model_runner import ModelRunner
@@ -166,13 +167,23 @@ class LLMEngine:
             num_blocks, self.block_size,
             enable_prefix_caching=config.enable_prefix_caching and not contiguous,
             prefix_caching_policy=config.prefix_caching_policy)
+        # Swap preemption: swap_space GiB of host blocks of the device layout.
+        self.num_host_blocks = (host_blocks_for_swap_space(config.swap_space, bytes_per_block)
+                                if config.preemption_mode == "swap" else 0)
+        self.bytes_per_block = bytes_per_block
         scheduler_cls = StaticScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(
             config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache_manager,
             self.max_model_len, eos_token_id=self.eos_token_id,
-            long_prefill_token_threshold=config.long_prefill_token_threshold)
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            **({"scheduling_policy": config.scheduling_policy,
+                "preemption_mode": config.preemption_mode,
+                "host_pool": HostBlockPool(self.num_host_blocks)
+                if config.preemption_mode == "swap" else None}
+               if config.batching != "static" else {}))
         self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager,
+                                  num_host_blocks=self.num_host_blocks)
         self.sampler = Sampler()
         # Speculative decoding: the propose stage (None: every row samples one token).
         self.speculator = None
@@ -281,11 +292,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt,
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """vLLM's `add_request(request_id, prompt, params)`: queue one request; its outputs
-        come from `step()`. `prompt`: text, token ids or a prompt dict (refserve/inputs.py);
-        request_id None picks a fresh one (refserve's extra). Returns the request id."""
+                    arrival_time: float | None = None, priority: int = 0) -> str:
+        """vLLM's `add_request(request_id, prompt, params, arrival_time, priority)`: queue
+        one request; its outputs come from `step()`. `prompt`: text, token ids or a prompt
+        dict (refserve/inputs.py); request_id None picks a fresh one (refserve's extra).
+        `priority` (vLLM's): lower runs first, only with scheduling_policy="priority".
+        Returns the request id."""
         params = params or SamplingParams()
+        self.check_priority(priority)
         if request_id is None:
             request_id = str(next(self._request_counter))
         if request_id in self.requests:
@@ -308,6 +322,7 @@ class LLMEngine:
         if self.tokenizer is not None and params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                      params.spaces_between_special_tokens)
+        seq.priority = priority
         self.scheduler.add_sequence(seq)  # gives the sequence its id
         req.seqs.append(seq)
         req.generators[seq.seq_id] = make_generator(seed, 0)
@@ -315,6 +330,15 @@ class LLMEngine:
         if self.observer is not None:
             self.observer.arrive(request_id, now)
         return request_id
+
+    def check_priority(self, priority) -> None:
+        """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority={priority!r}: must be an integer (lower runs first)")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} given, but scheduling_policy is "
+                             f"{self.config.scheduling_policy!r}; use "
+                             "scheduling_policy='priority'")
 
     def abort_request(self, request_id) -> bool:
         """vLLM's name: stop a waiting, running or preempted request (or each of an
@@ -365,7 +389,7 @@ class LLMEngine:
         out = self.scheduler.schedule(proposals)
         try:
             inputs = self.runner.prepare(out)
-            self.runner.copy_blocks(out.block_copies)
+            self.runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)
             logits = self.runner.forward(inputs)
             sampled = self.sample(out, logits, proposals)
         except Exception as e:
@@ -489,6 +513,18 @@ class LLMEngine:
         cumulative `kv_blocks_peak` is kept."""
         self.kv_cache_manager.reset_peak()
 
+    def _swap_stats(self) -> dict:
+        """Swap preemption's counters (zeros with preemption_mode="recompute")."""
+        swapper = getattr(self.scheduler, "swapper", None)
+        if swapper is None:
+            return {"swap_outs": 0, "swap_ins": 0, "swap_fallbacks_to_recompute": 0,
+                    "swap_bytes": 0}
+        host = swapper.host_pool
+        return {"swap_outs": swapper.num_swapped_out, "swap_ins": swapper.num_swapped_in,
+                "swap_fallbacks_to_recompute": swapper.num_fallbacks,
+                "swap_bytes": (host.num_swapped_out_blocks + host.num_swapped_in_blocks)
+                * self.bytes_per_block}
+
     def stats(self) -> dict:
         kv = self.kv_cache_manager
         return {
@@ -496,6 +532,8 @@ class LLMEngine:
             "slot_steps_used": self.scheduler.slot_steps_used,
             "slot_steps_wasted": self.scheduler.slot_steps_wasted,
             "num_preemptions": self.scheduler.num_preemptions,
+            "recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            **self._swap_stats(),
             "kv_blocks_peak": self.kv_blocks_peak,
             "kv_blocks_peak_since_reset": self.kv_blocks_peak_since_reset,
             "kv_blocks_total": kv.num_blocks,

@@ -87,14 +87,16 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True,
-                 on_step: Callable[[RequestOutput], None] | None = None
-                 ) -> list[RequestOutput]:
+                 on_step: Callable[[RequestOutput], None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         prompts: any of vLLM's forms (`parse_prompts`). sampling_params: one for all, or a
         sequence with one per prompt (None: `SamplingParams()`). Every prompt is validated
         before any is queued: a bad one raises ValueError naming its index and nothing is
         left behind. `on_step` (refserve's) sees every step's RequestOutput: streaming.
+        `priority` (vLLM's): one per prompt, lower runs first; needs
+        scheduling_policy="priority".
         """
         batch = parse_prompts(prompts)
         if sampling_params is None:
@@ -108,13 +110,17 @@ class LLM:
                             f"{type(sampling_params).__name__}")
         if len(params) != len(batch):
             raise ValueError(f"got {len(params)} sampling_params for {len(batch)} prompts")
+        priorities = [0] * len(batch) if priority is None else list(priority)
+        if len(priorities) != len(batch):
+            raise ValueError(f"got {len(priorities)} priorities for {len(batch)} prompts")
         engine = self.llm_engine
-        for i, (p, sp) in enumerate(zip(batch, params)):
+        for i, (p, sp, prio) in enumerate(zip(batch, params, priorities)):
             try:
                 engine.validate_request(p, sp)
+                engine.check_priority(prio)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
-        return self._run(batch, params, use_tqdm, on_step)
+        return self._run(batch, params, use_tqdm, on_step, priorities)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams]
              | None = None, use_tqdm: bool = True, chat_template: str | None = None,
@@ -132,14 +138,16 @@ class LLM:
             continue_final_message=continue_final_message) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, on_step=on_step)
 
-    def _run(self, batch, params, use_tqdm, on_step) -> list[RequestOutput]:
+    def _run(self, batch, params, use_tqdm, on_step, priorities=None) -> list[RequestOutput]:
         """Queue the (validated) requests and step until all finish; on any exception
         (Ctrl-C included) abort what is left, so the engine is reusable."""
         engine = self.llm_engine
         stats_before = engine.stats()
         engine.reset_kv_blocks_peak()      # this call's peak, apart from the cumulative one
         start = time.perf_counter()
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(batch, params)]
+        priorities = priorities or [0] * len(batch)
+        ids = [engine.add_request(None, p, sp, priority=prio)
+               for p, sp, prio in zip(batch, params, priorities)]
         results: dict[str, RequestOutput] = {}
         index = {rid: i for i, rid in enumerate(ids)}
         # Finished outputs in prompt order, None while running: what a Ctrl-C leaves.

@@ -1,7 +1,7 @@
 """From a scheduler decision to logits: the runner's three stages of one engine step.
 
     inputs = runner.prepare(out)            # host: flatten the rows into integer arrays
-    runner.copy_blocks(out.block_copies)    # device: copy-on-write, before anyone writes
+    runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)  # swaps, copy-on-write
     logits = runner.forward(inputs)         # device: one model forward; logits to the host
 
 `prepare` is the whole translation. Each row `s` of `out.scheduled` computes the query tokens
@@ -103,14 +103,20 @@ class ModelRunner:
     """Owns the model and its KV cache; prepares, copies and runs one scheduler step."""
 
     def __init__(self, model, backend, num_blocks: int, block_size: int,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, num_host_blocks: int = 0) -> None:
         c = model.config
         self.model = model
         self.backend = backend
         self.block_size = block_size
+        dtype = getattr(model, "dtype", np.float32)
         self.kv_caches = backend.allocate_kv_cache(
             c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
-            dtype=getattr(model, "dtype", np.float32))
+            dtype=dtype)
+        # Swap preemption's host block pool (host_pool.py holds its bookkeeping); None
+        # with preemption_mode="recompute".
+        self.host_kv_caches = backend.allocate_host_kv_cache(
+            c.num_hidden_layers, num_host_blocks, block_size, c.num_key_value_heads,
+            c.head_dim, dtype=dtype) if num_host_blocks else None
         # CUDA graphs for pure decode steps (refserve/backends/cuda_graphs.py), on backends
         # that offer them (CuPy); None: every step runs the eager forward.
         make_graphs = None if enforce_eager else getattr(backend, "make_decode_graphs", None)
@@ -179,9 +185,21 @@ class ModelRunner:
             logits_indices_device=to_dev(logits_indices))
 
     # ------------------------------------------------------------------ stage 2: copy
-    def copy_blocks(self, block_copies) -> None:
-        """Copy-on-write: for each (src, dst), block dst := block src in every layer's K and
-        V cache. Run before the forward of the step that scheduled the copies."""
+    def copy_blocks(self, block_copies, swap_out=(), swap_in=()) -> None:
+        """The step's block copies, before its forward, in this order (scheduler/
+        swapping.py says why): swap_out (device, host) pairs to the host pool, swap_in
+        (host, device) pairs back, then copy-on-write: for each (src, dst), block dst :=
+        block src in every layer's K and V cache."""
+        if len(swap_out) or len(swap_in):
+            if self.host_kv_caches is None:
+                raise ValueError("copy_blocks: swap copies, but this runner has no host "
+                                 "pool (preemption_mode='swap' sizes one)")
+            for mapping, op in ((swap_out, self.backend.swap_out),
+                                (swap_in, self.backend.swap_in)):
+                if len(mapping):
+                    pairs = np.asarray(list(mapping), dtype=np.int64).reshape(-1, 2)
+                    for (k, v), (host_k, host_v) in zip(self.kv_caches, self.host_kv_caches):
+                        op(k, v, host_k, host_v, pairs)
         pairs = np.asarray(list(block_copies), dtype=np.int64).reshape(-1, 2)
         if len(pairs) == 0:
             return

@@ -65,6 +65,8 @@ class Sequence:
         # hit more of its own blocks; that saves recomputation but does not change this.
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # vLLM's request priority (scheduling_policy="priority"): lower runs first.
+        self.priority = 0
         self.detokenizer: IncrementalDetokenizer | None = None
         # The request's bad_words as token sequences (logits_processors.py), set by the engine.
         self.bad_words_token_ids: list[list[int]] = []
@@ -114,6 +116,7 @@ class Sequence:
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.priority = self.priority
         child.detokenizer = None if self.detokenizer is None else self.detokenizer.copy()
         child.bad_words_token_ids = self.bad_words_token_ids
         child.awaiting_fork = False

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from refserve.capacity import blocks_for_tokens
+from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.sampling import SamplingParams
 from refserve.scheduler import (
@@ -38,17 +39,25 @@ class FakeRunner:
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self.slots: dict[int, tuple[int, int]] = {}
+        self.host_slots: dict[int, tuple[int, int]] = {}  # swap preemption's host pool
+
+    @staticmethod
+    def copy(pairs, src_slots, dst_slots, bs):
+        for src, dst in pairs:
+            for offset in range(bs):
+                value = src_slots.get(src * bs + offset)
+                if value is None:
+                    dst_slots.pop(dst * bs + offset, None)
+                else:
+                    dst_slots[dst * bs + offset] = value
 
     def execute(self, out: SchedulerOutput,
                 extra: dict[int, int] | None = None) -> dict[int, list[int]]:
         bs = self.kv.block_size
-        for src, dst in out.block_copies:
-            for offset in range(bs):
-                value = self.slots.get(src * bs + offset)
-                if value is None:
-                    self.slots.pop(dst * bs + offset, None)
-                else:
-                    self.slots[dst * bs + offset] = value
+        # The copy_blocks stage's order: swap out, swap in, copy-on-write.
+        self.copy(out.swap_out, self.slots, self.host_slots, bs)
+        self.copy(out.swap_in, self.host_slots, self.slots, bs)
+        self.copy(out.block_copies, self.slots, self.slots, bs)
         sampled: dict[int, list[int]] = {}
         seen: set[int] = set()
         for row in out.scheduled:
@@ -122,9 +131,15 @@ def make_seq(request_id: str, prompt_len: int, max_tokens: int, **params) -> Seq
 
 
 def make(cls=Scheduler, *, num_blocks=64, block_size=4, max_num_seqs=4, budget=64,
-         max_model_len=512, prefix=True, eos=None):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    sched = cls(max_num_seqs, budget, kv, max_model_len, eos_token_id=eos)
+         max_model_len=512, prefix=True, eos=None, prefix_policy="hash", policy="fcfs",
+         host_blocks=None):
+    """host_blocks: None for recompute preemption, else swap with a host pool that big."""
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix,
+                        prefix_caching_policy=prefix_policy)
+    extra = {} if cls is StaticScheduler else {"scheduling_policy": policy}
+    if host_blocks is not None:
+        extra.update(preemption_mode="swap", host_pool=HostBlockPool(host_blocks))
+    sched = cls(max_num_seqs, budget, kv, max_model_len, eos_token_id=eos, **extra)
     return sched, kv, FakeRunner(kv)
 
 
@@ -155,6 +170,7 @@ def workloads(draw):
         prompt = (PREFIXES[group][:shared] if group is not None else []) + own
         requests.append(dict(
             request_id=f"r{i}", prompt=prompt, arrival=draw(st.integers(0, 15)),
+            priority=draw(st.integers(0, 3)),
             max_tokens=draw(st.integers(1, 40)),
             stop_at=draw(st.none() | st.integers(0, 39)),
             ignore_eos=draw(st.booleans()),
@@ -167,13 +183,18 @@ def workloads(draw):
                 extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 10, 100])),
                 max_num_seqs=draw(st.integers(1, 8)),
                 budget=draw(st.sampled_from([1, 5, 16, 32, 64, 256])),
-                prefix=draw(st.booleans()))
+                prefix=draw(st.booleans()),
+                prefix_policy=draw(st.sampled_from(["hash", "radix"])),
+                host_blocks=draw(st.sampled_from([0, 2, 8, 1000])))
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static"])
+@pytest.mark.parametrize("batching, policy, preemption", [
+    ("continuous", "fcfs", "recompute"), ("static", "fcfs", "recompute"),
+    ("continuous", "lpm", "recompute"), ("continuous", "priority", "recompute"),
+    ("continuous", "fcfs", "swap"), ("continuous", "priority", "swap")])
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads())
-def test_random_workloads(batching, w):
+def test_random_workloads(batching, policy, preemption, w):
     requests, max_model_len, bs = w["requests"], w["max_model_len"], w["block_size"]
     r0 = requests[0]
     eos = None if w["eos_from"] is None else stub_next_token(
@@ -191,10 +212,17 @@ def test_random_workloads(batching, w):
                    blocks_for_tokens(len(r["prompt"]) + 1, bs)) for r in requests)
     sched, kv, runner = make(SCHEDULERS[batching], num_blocks=need + w["extra_blocks"],
                              block_size=bs, max_num_seqs=w["max_num_seqs"], budget=w["budget"],
-                             max_model_len=max_model_len, prefix=w["prefix"], eos=eos)
+                             max_model_len=max_model_len, prefix=w["prefix"], eos=eos,
+                             prefix_policy=w["prefix_policy"], policy=policy,
+                             host_blocks=w["host_blocks"] if preemption == "swap" else None)
+    swapper = getattr(sched, "swapper", None)
     # Liveness: the oldest running sequence gets budget first and is never preempted, so
-    # every step advances it; no request needs more steps than it has tokens.
+    # every step advances it; no request needs more steps than it has tokens. Under
+    # "priority" a later, more urgent arrival can preempt the one served first, so the
+    # work lost to preemption is bounded by one redo per later arrival instead.
     bound = sum(len(r["prompt"]) + r["max_tokens"] for r in requests)
+    if policy == "priority":
+        bound *= len(requests)
 
     seqs: dict[str, Sequence] = {}
     finished: dict[str, Sequence] = {}
@@ -205,6 +233,7 @@ def test_random_workloads(batching, w):
         for r in requests:
             if r["arrival"] == clock:
                 seq = Sequence(r["request_id"], r["prompt"], r["params"])
+                seq.priority = r["priority"]
                 seqs[r["request_id"]] = seq
                 sched.add_sequence(seq)
             if (r["abort_after"] is not None and r["arrival"] + r["abort_after"] == clock
@@ -229,16 +258,24 @@ def test_random_workloads(batching, w):
         assert sum(seq.num_seats for seq in block_holders(sched)) <= w["max_num_seqs"]
         for seq_id in out.preempted:
             seq = next(s for s in seqs.values() if s.seq_id == seq_id)
-            assert seq in sched.waiting and seq.num_computed_tokens == 0
+            assert seq in sched.waiting
+            assert seq.num_computed_tokens == 0 or swapper.is_swapped_out(seq)
         retired = sched.update(out, runner.execute(out)).retired
         for seq in retired:
             assert seq.is_finished and seq.request_id not in finished
             finished[seq.request_id] = seq
         check_blocks(sched, kv, list(seqs.values()))
+        if swapper is not None:  # the host pool holds exactly the swapped-out waiting ones
+            swapper.host_pool.check_invariants()
+            assert set(swapper.host_pool.swapped_out()) <= {s.seq_id for s in sched.waiting}
         clock += 1
 
     assert not sched.running and not sched.waiting
     assert kv.num_held_blocks == 0
+    if swapper is not None:
+        assert swapper.host_pool.num_available_blocks == w["host_blocks"]  # no host leak
+        event(f"swapped out: {min(swapper.num_swapped_out, 2)}, "
+              f"fell back: {swapper.num_fallbacks > 0}")
     event(f"preemptions: {min(sched.num_preemptions, 3)}")
     event(f"prefix-cache hit tokens > 0: {kv.prefix_cache_hit_tokens > 0}")
     event(f"aborted: {bool(aborted)}")

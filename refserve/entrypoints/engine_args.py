@@ -23,7 +23,9 @@ from refserve.config import (
     DEPRECATED_ALIASES,
     DTYPES,
     KV_CACHE_LAYOUTS,
+    PREEMPTION_MODES,
     PREFIX_CACHING_POLICIES,
+    SCHEDULING_POLICIES,
     EngineConfig,
 )
 from refserve.entrypoints.cli_common import json_object, memory_size
@@ -87,6 +89,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "with the NumPy default budget, else 0)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of a prompt prefix seen before")
+    e.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                   help="waiting-queue order: fcfs, priority (a request's priority, lower "
+                   "first) or lpm (SGLang's longest cached prefix first)")
+    e.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
+                   help="what a preempted request loses: recompute (its KV, prefilled again) "
+                   "or swap (its KV goes to host memory and comes back; vLLM v0's)")
+    e.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of host memory for swapped-out KV blocks, with "
+                   "--preemption-mode swap")
     e.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     e.add_argument("--tensor-parallel-size", type=tensor_parallel_size, default=1,
                    help="devices to shard the model over: refserve runs on one (use vLLM "

@@ -56,6 +56,7 @@ from refserve.capacity import blocks_for_tokens
 from refserve.config import PREFIX_CACHING_POLICIES
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
 from refserve.kv_cache.block_table import BlockTable
+from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.prefix_cache import BlockKey, PrefixCache
 from refserve.kv_cache.radix_policy import RadixPolicy
 
@@ -391,6 +392,33 @@ class KVCacheManager:
             cached = self.prefix_cache.is_cached(block_id)
             if self.allocator.decref(block_id, to_front=not cached) and cached:
                 self._num_evictable += 1  # held -> evictable
+
+    def swap_in(self, seq: Sequence, host_pool: HostBlockPool) -> list[tuple[int, int]]:
+        """Swap preemption, resuming: give a swapped-out sequence (no device blocks) fresh
+        blocks, one per host block of its host table, and return the (host, device) copies
+        for backend.swap_in (run before the next forward). The new blocks are private and
+        uncached: cache_full_blocks offers them to the prefix cache again (hash: an equal
+        prefix already cached keeps its block; radix: duplicates are swapped for the
+        tree's). Atomic: NoFreeBlocksError if the pool is short, nothing changed."""
+        if seq.seq_id in self._tables:
+            raise ValueError(f"swap_in: sequence {seq.seq_id} already has device blocks")
+        needed = host_pool.blocks_to_swap_in([seq.seq_id])
+        if needed > self.num_available_blocks:
+            raise NoFreeBlocksError(f"swap_in: sequence {seq.seq_id} needs {needed} blocks, "
+                                    f"only {self.num_available_blocks} are free or evictable")
+        device = [self._take_block() for _ in range(needed)]
+        back = host_pool.swap_in([seq.seq_id], device)
+        table = self._tables[seq.seq_id] = BlockTable(self.block_size)
+        for block_id in back.tables[seq.seq_id]:
+            table.append(block_id)
+        self._block_keys[seq.seq_id] = []
+        if self._radix:
+            self._radix.attach(seq.seq_id, [])
+        held = self.num_held_blocks
+        self.num_held_blocks_peak = max(self.num_held_blocks_peak, held)
+        self.num_held_blocks_peak_since_reset = max(self.num_held_blocks_peak_since_reset,
+                                                    held)
+        return back.copies
 
     def trim(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Speculative rollback: release the sequence's trailing blocks beyond

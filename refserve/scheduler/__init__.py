@@ -5,6 +5,7 @@
     base.py        the queues, ADVANCE with PREEMPT, UPDATE and RETIRE (shared)
     continuous.py  Scheduler: continuous (iteration-level) batching, ADMIT every step
     static.py      StaticScheduler: request-level batching, for comparison
+    policy.py      scheduling_policy: fcfs / lpm / priority admission order, the victim
     fits.py        could a request ever run? (checked before it is queued)
     stop_rules.py  when a sequence stops, decided token by token as update() appends
     drafts.py      a draft token's life (speculative decoding): propose, trim, verify, roll back

@@ -4,16 +4,21 @@ Continuous batching (`continuous.py`) and static batching (`static.py`) differ o
 joins the running batch and when a finished sequence gives its seat back; everything else
 lives here:
 
-    ADVANCE  running sequences, oldest first. Each gets
+    ADVANCE  running sequences, oldest first (scheduling_policy="priority": highest
+             priority first, policy.py). Each gets
                  n = min(tokens left to compute, budget_left)
              tokens: 1 for a decode, the next chunk of an unfinished prefill (chunked
              prefill), 1 + k for a speculative verify (the drafts of this step's proposals
              that fit the budget: scheduler/drafts.py). Its KV slots come from
              `kv_cache_manager.allocate_slots`.
     PREEMPT  while the pool cannot serve a running sequence (`kv.can_allocate` is False),
-             the NEWEST running sequence is preempted (recompute: its blocks are freed, it
+             the NEWEST running sequence is preempted ("priority": the lowest priority,
+             newest among equals; always the last of the ADVANCE order, so never one
+             already served this step) (recompute: its blocks are freed, it
              goes back to the HEAD of the waiting queue with its tokens kept, and is
-             prefilled again when readmitted). The newest may be the sequence itself. Why
+             prefilled again when readmitted; preemption_mode="swap": its KV goes to the
+             host pool and comes back on readmission, swapping.py). The newest may be the
+             sequence itself. Why
              the newest: it has the least computed work to lose and arrived last, so the
              oldest requests keep making progress and nobody starves.
     UPDATE   (after the model ran) advance num_computed_tokens, append sampled tokens one
@@ -39,6 +44,7 @@ import collections
 import itertools
 from collections.abc import Mapping
 
+from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.scheduler.drafts import Proposal, count_verified, drafts_that_fit, roll_back
 from refserve.scheduler.fits import check_fits
@@ -48,7 +54,9 @@ from refserve.scheduler.output import (
     SchedulerOutput,
     StepUpdate,
 )
+from refserve.scheduler.policy import SchedulingPolicy, make_policy
 from refserve.scheduler.stop_rules import append_tokens
+from refserve.scheduler.swapping import PREEMPTION_MODES, Swapper
 from refserve.sequence import Sequence, SequenceStatus
 
 NO_PROPOSALS: Mapping[int, Proposal] = {}
@@ -68,7 +76,10 @@ class SchedulerBase:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
                  eos_token_id: int | None = None,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0,
+                 scheduling_policy: str | SchedulingPolicy = "fcfs",
+                 preemption_mode: str = "recompute",
+                 host_pool: HostBlockPool | None = None) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -85,6 +96,16 @@ class SchedulerBase:
             raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold!r}: "
                              "must be an integer >= 0")
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # The admission order of `waiting` and the preemption victim (policy.py).
+        self.policy = (scheduling_policy if isinstance(scheduling_policy, SchedulingPolicy)
+                       else make_policy(scheduling_policy))
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={preemption_mode!r}: choose one of "
+                             f"{', '.join(PREEMPTION_MODES)}")
+        if (preemption_mode == "swap") != (host_pool is not None):
+            raise ValueError("preemption_mode='swap' needs a host_pool (and only it)")
+        self.preemption_mode = preemption_mode
+        self.swapper = Swapper(host_pool, kv_cache_manager) if host_pool is not None else None
 
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -100,6 +121,7 @@ class SchedulerBase:
         self.slot_steps_used = 0
         self.slot_steps_wasted = 0
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed tokens whose KV recompute preemption dropped
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -154,6 +176,8 @@ class SchedulerBase:
             return None
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            if self.swapper is not None:
+                self.swapper.release(seq)
         else:
             self.running.remove(seq)
             self._release_blocks(seq)
@@ -306,12 +330,25 @@ class SchedulerBase:
             out.block_copies.extend(
                 (src, dst) for src, dst in self._pending.block_copies
                 if allocator.ref_count(dst) > 0)
+            # Swap copies likewise, while their destination is still held: a host block
+            # by a host table, a device block by a block table.
+            if self.swapper is not None:
+                host = self.swapper.host_pool
+                out.swap_out.extend((d, h) for d, h in self._pending.swap_out
+                                    if host.ref_count(h) > 0)
+                out.swap_in.extend((h, d) for h, d in self._pending.swap_in
+                                   if allocator.ref_count(d) > 0)
             self._pending = None
             self._riders = {}
         return out
 
     def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
         kv = self.kv_cache_manager
+        if self.swapper is not None:
+            self.swapper.flush(out)  # this step's victims, in one swap_out
+            # A carried copy whose destination this step reused is moot: the last wins.
+            out.swap_out[:] = _last_per_destination(out.swap_out)
+            out.swap_in[:] = _last_per_destination(out.swap_in)
         if not out.scheduled and self.has_unfinished():
             # Cannot happen while add_sequence keeps every prompt within the pool; fail
             # loudly rather than let a caller's `while has_unfinished()` spin forever.
@@ -341,25 +378,27 @@ class SchedulerBase:
 
     def _advance(self, out: SchedulerOutput, budget: int,
                  proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> int:
-        """ADVANCE every running sequence, oldest first, while budget is left; a sequence
-        the pool cannot serve preempts the newest running ones. Returns the budget left."""
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        """ADVANCE every running sequence in the policy's running order (oldest first) while
+        budget is left; a sequence the pool cannot serve preempts the policy's victims (the
+        newest). Returns the budget left."""
+        for seq in self.policy.running_order(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
             proposal = proposals.get(seq.seq_id)
             drafts = proposal.token_ids if proposal is not None else ()
             num_tokens = self._schedule_or_preempt(seq, budget, out, drafts)
             if num_tokens is None:
-                break  # seq preempted itself: it was the newest, nobody runs after it
+                break  # seq preempted itself: it was the last of the order, nobody is left
             budget -= num_tokens
-            index += 1
         return budget
 
     def _schedule_or_preempt(self, seq: Sequence, budget: int, out: SchedulerOutput,
                              drafts: tuple[int, ...] = ()) -> int | None:
         """Give running `seq` its next tokens (and the `drafts` that fit), preempting the
-        NEWEST running sequence while the pool is short. Returns the tokens scheduled
-        (>= 1), or None if seq itself was the one preempted."""
+        policy's victim (fcfs, lpm: the NEWEST running sequence) while the pool is short.
+        Returns the tokens scheduled (>= 1), or None if seq itself was the one preempted."""
         num_tokens, computed_blocks, verify = self._plan_row(seq, budget, drafts)
         while not self.kv_cache_manager.can_allocate(seq, num_tokens, computed_blocks):
             if verify:
@@ -367,7 +406,7 @@ class SchedulerBase:
                 num_tokens, computed_blocks, verify = self._plan_row(seq, budget)
                 continue
             # BEGIN EXERCISE scheduler_preempt: preempt the NEWEST running sequence (maybe seq)
-            victim = self.running[-1]  # the newest running sequence
+            victim = self.policy.preemption_victim(self.running)  # fcfs: the newest
             if victim is seq and self._holding <= {seq.seq_id}:
                 raise RuntimeError(
                     f"sequence {seq.seq_id} alone cannot fit its {seq.num_tokens} tokens "
@@ -394,7 +433,7 @@ class SchedulerBase:
         kv = self.kv_cache_manager
         computed_blocks: list[int] = []
         hit_tokens = 0
-        if seq.seq_id not in self._holding:
+        if seq.seq_id not in self._holding and not self._is_swapped_out(seq):
             computed_blocks, hit_tokens = kv.get_computed_blocks(seq)
         real_left = seq.num_tokens - seq.num_computed_tokens - hit_tokens
         if 0 < self.long_prefill_token_threshold < budget:
@@ -410,6 +449,9 @@ class SchedulerBase:
         add its row, verifying `drafts` after the real tokens. Prefix-cache hit tokens count
         as computed and are not scheduled."""
         kv = self.kv_cache_manager
+        if self._is_swapped_out(seq):  # resumes with its own KV, copied back in
+            self.swapper.swap_in(seq, out)
+            self._holding.add(seq.seq_id)
         first = seq.seq_id not in self._holding
         copies = kv.allocate_slots(seq, num_tokens, computed_blocks=computed_blocks)
         if first:
@@ -430,13 +472,33 @@ class SchedulerBase:
             block_ids=kv.get_block_ids(seq.seq_id), draft_token_ids=tuple(drafts)))
         return num_tokens
 
+    def _can_allocate(self, seq: Sequence, num_tokens: int, computed_blocks: list[int]
+                      ) -> bool:
+        """kv.can_allocate, or for a swapped-out sequence: whether the pool holds its
+        swapped blocks back plus the new blocks of its next tokens."""
+        kv = self.kv_cache_manager
+        if self._is_swapped_out(seq):
+            return self.swapper.blocks_to_resume(seq, num_tokens) <= kv.num_available_blocks
+        return kv.can_allocate(seq, num_tokens, computed_blocks)
+
+    def _is_swapped_out(self, seq: Sequence) -> bool:
+        return self.swapper is not None and self.swapper.is_swapped_out(seq)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preemption by recompute: release every block, forget the computed KV, and put
         the sequence at the HEAD of the waiting queue. Its tokens (prompt and output so far)
-        stay in seq.token_ids and are prefilled again on readmission."""
+        stay in seq.token_ids and are prefilled again on readmission. By swap (when the
+        host pool has room): the blocks are released too, but their KV is copied to the
+        host pool first and num_computed_tokens is kept (swapping.py)."""
         self.running.remove(seq)
-        self._release_blocks(seq)
-        seq.num_computed_tokens = 0
+        swapped = (self.swapper is not None and seq.seq_id in self._holding
+                   and self.swapper.defer(seq))
+        if swapped:
+            self._holding.discard(seq.seq_id)
+        else:
+            self._release_blocks(seq)
+            self.num_recomputed_tokens += seq.num_computed_tokens
+            seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -465,3 +527,9 @@ class SchedulerBase:
         if seq.seq_id in self._holding:
             self._holding.discard(seq.seq_id)
             self.kv_cache_manager.release(seq)
+
+
+def _last_per_destination(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(src, dst) pairs keeping, for each dst, only its last copy (in their order)."""
+    last = {dst: i for i, (_, dst) in enumerate(pairs)}
+    return [pair for i, pair in enumerate(pairs) if last[pair[1]] == i]

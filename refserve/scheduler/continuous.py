@@ -6,11 +6,13 @@ next query tokens. One step of `Scheduler.schedule()` does, in this order:
 
     ADVANCE  running sequences, oldest first, preempting the newest when the pool is
              short (`SchedulerBase._advance`).
-    ADMIT    waiting sequences, first come first served, while the seats (max_num_seqs)
-             and the token budget (max_num_batched_tokens) allow and the pool can hold
-             their first chunk. The head of the queue that does not fit stops admission:
-             nobody skips ahead, so nobody starves. Admission never preempts, and a step
-             that had to preempt admits nobody (the pool just proved short).
+    ADMIT    waiting sequences in the scheduling policy's order (policy.py: fcfs, the
+             queue as it stands; lpm, longest cached prefix first; priority, lowest value
+             first), while the seats (max_num_seqs) and the token budget
+             (max_num_batched_tokens) allow and the pool can hold their first chunk. The
+             first sequence of that order that does not fit stops admission: nobody skips
+             ahead except by the policy's order. Admission never preempts, and a step that
+             had to preempt admits nobody (the pool just proved short).
 
 `update()` (in the base) then retires finished sequences and frees their blocks in the same
 step, so their seats are refilled by the very next `schedule()`.
@@ -18,6 +20,7 @@ step, so their seats are refilled by the very next `schedule()`.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 
 from refserve.scheduler.base import NO_PROPOSALS, SchedulerBase
@@ -42,28 +45,37 @@ class Scheduler(SchedulerBase):
         return self._end_step(out)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """ADMIT waiting sequences first-come-first-served.
+        """ADMIT waiting sequences in the policy's order (fcfs: from the head).
 
-        The admission rule: the HEAD of `waiting` joins `running` if
+        The admission rule: the FIRST of `order` joins `running` if
           * a seat is free:      seats used + seq.num_seats <= max_num_seqs,
           * budget is left:      it gets min(tokens to compute, budget_left) > 0 tokens,
           * the pool holds them: kv.can_allocate (after prefix-cache hits).
-        Otherwise admission stops for this step; nobody behind the head is considered.
+        Otherwise admission stops for this step; nobody after it is considered. The
+        admitted leave `waiting`, and the policy hears of the round (lpm's guard counts it).
         """
-        # BEGIN EXERCISE scheduler_admit: FCFS from the head while seats, budget and blocks allow
+        if not self.waiting:
+            return
+        queue = list(self.waiting)
+        order = self.policy.order(queue, self.kv_cache_manager.prefix_match_length)
+        admitted: list = []
+        # BEGIN EXERCISE scheduler_admit: in `order` while seats, budget and blocks allow
         seats_used = self.num_seats_used
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if seats_used + seq.num_seats > self.max_num_seqs:
+        for seq in order:
+            if budget <= 0 or seats_used + seq.num_seats > self.max_num_seqs:
                 break
             num_tokens, computed_blocks, _ = self._plan_row(seq, budget)
-            if not self.kv_cache_manager.can_allocate(seq, num_tokens, computed_blocks):
+            if not self._can_allocate(seq, num_tokens, computed_blocks):  # swap-aware
                 break
             self._schedule_row(seq, num_tokens, computed_blocks, out)
-            self.waiting.popleft()
+            admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seats_used += seq.num_seats
             out.admitted.append(seq.seq_id)
             budget -= num_tokens
         # END EXERCISE
+        if admitted:
+            left = {seq.seq_id for seq in admitted}
+            self.waiting = collections.deque(s for s in queue if s.seq_id not in left)
+        self.policy.on_admitted(queue, admitted)

@@ -89,6 +89,8 @@ class SchedulerOutput:
 
     admitted / preempted   sequence ids that joined / left the running batch in this step
     block_copies           copy-on-write (src, dst) block pairs to copy before the forward
+    swap_out / swap_in     swap preemption's (device, host) / (host, device) block copies,
+                           run before block_copies (scheduler/swapping.py)
     num_batched_tokens     sum of num_tokens over `scheduled` (<= max_num_batched_tokens)
     The remaining fields are the limits and the pool after scheduling (held + evictable +
     free == num_blocks, kv_cache/kv_cache_manager.py), for printing.
@@ -99,6 +101,8 @@ class SchedulerOutput:
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
     max_num_batched_tokens: int = 0
     num_seats_used: int = 0
@@ -126,6 +130,10 @@ class SchedulerOutput:
         if self.block_copies:
             copies = ", ".join(f"{src}->{dst}" for src, dst in self.block_copies)
             head += f" | copy-on-write {copies}"
+        if self.swap_out:
+            head += f" | swap out {len(self.swap_out)} blocks"
+        if self.swap_in:
+            head += f" | swap in {len(self.swap_in)} blocks"
         lines = [head, "   seq  request       kind     tokens  positions      logits  blocks"]
         for row in self.scheduled:
             positions = f"[{row.start}, {row.end})"

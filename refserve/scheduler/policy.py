@@ -11,6 +11,10 @@ vLLM's knob is `scheduling_policy`; refserve offers three values:
     priority  vLLM's `priority=` of generate / add_request: lower values go first, ties in
               queue order; and when the pool is short, the running sequence with the LOWEST
               priority (largest value) is preempted, the newest of them among equals.
+              Running sequences also get the step's budget in priority order (ties oldest
+              first, `running_order`), so the victim is always at or after the sequence
+              being served: nobody already scheduled this step is preempted (vLLM instead
+              visits in arrival order and un-schedules such a victim).
 
 The admission rule itself does not change: the scheduler admits in the policy's order while
 seats, budget and blocks allow, and the first sequence that does not fit stops admission for
@@ -41,7 +45,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from refserve.sequence import Sequence
 
-SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")
+from refserve.config import SCHEDULING_POLICIES
+
 LPM_MAX_QUEUE = 128
 LPM_MAX_PASSES = 4
 
@@ -66,6 +71,11 @@ class SchedulingPolicy:
                     ) -> None:
         """One admission round is over: `waiting` was the queue before it (head first) and
         `admitted` the sequences that left it."""
+
+    def running_order(self, running: SequenceOf[Sequence]) -> list[Sequence]:
+        """The order in which running sequences get the step's budget: oldest first. The
+        preemption victim must be the last of it (the scheduler relies on that)."""
+        return list(running)
 
     def preemption_victim(self, running: SequenceOf[Sequence]) -> Sequence:
         """The running sequence to preempt when the pool is short: the newest (running is
@@ -129,6 +139,11 @@ class PriorityPolicy(SchedulingPolicy):
     def order(self, waiting: SequenceOf[Sequence],
               prefix_match_length: PrefixMatchLength | None = None) -> list[Sequence]:
         return sorted(waiting, key=lambda seq: seq.priority)  # stable: ties keep queue order
+
+    def running_order(self, running: SequenceOf[Sequence]) -> list[Sequence]:
+        """Highest priority (lowest value) first, ties oldest first: the victim below is
+        the last of this order."""
+        return sorted(running, key=lambda seq: seq.priority)
 
     def preemption_victim(self, running: SequenceOf[Sequence]) -> Sequence:
         if not running:
