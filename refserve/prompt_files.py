@@ -3,7 +3,8 @@
     --file prompts.txt    one prompt per non-blank line
     --file requests.jsonl one JSON object per line: {"prompt": "..."} or
                           {"prompt_token_ids": [...]}, plus any SamplingParams field for that
-                          request ({"prompt": "Hi", "max_tokens": 8, "temperature": 0.7})
+                          request ({"prompt": "Hi", "max_tokens": 8, "temperature": 0.7});
+                          logit_bias keys are token ids as JSON strings ({"13": -100})
     --file -              the same, read from stdin
     (piped stdin)         the whole of stdin is ONE prompt (it may span lines)
 
@@ -112,6 +113,14 @@ def parse_jsonl_line(path: str, number: int, line: str) -> PromptSpec:
         raise PromptFileError(f"{where}: unknown key(s) {unknown}; a line holds 'prompt' or "
                               f"'prompt_token_ids' plus SamplingParams fields: "
                               f"{', '.join(sorted(SAMPLING_KEYS))}")
+    bias = obj.get("logit_bias")
+    if isinstance(bias, dict):
+        # JSON object keys are strings: {"13": -100} means token 13, as in OpenAI's API.
+        bad = [k for k in bias if not (isinstance(k, str) and k.strip().isdecimal())]
+        if bad:
+            raise PromptFileError(f"{where}: 'logit_bias' keys must be token ids, e.g. "
+                                  f'{{"13": -100}}; got {bad[0]!r}')
+        obj["logit_bias"] = {int(k): v for k, v in bias.items()}
     return PromptSpec(prompt, obj)
 
 

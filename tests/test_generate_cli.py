@@ -75,6 +75,27 @@ def test_jsonl_requests_with_their_own_sampling_params(tiny_with_tokenizer, tmp_
     assert [[len(c["token_ids"]) for c in o["outputs"]] for o in data] == [[3], [6, 6], [4]]
 
 
+def test_jsonl_lines_take_vllm_fields_and_logit_bias_keys_as_strings(tiny_with_tokenizer,
+                                                                      tmp_path, capsys):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt_token_ids": [5, 6, 7], "logit_bias": {"9": 100}},
+        {"prompt_token_ids": [5, 6, 7], "allowed_token_ids": [11, 12]},
+        {"prompt_token_ids": [5, 6, 7, 8, 9], "truncate_prompt_tokens": 2}]) + "\n")
+    out = tmp_path / "out.json"
+    common = ["--model", str(tiny_with_tokenizer), "--max-tokens", "4", "--ignore-eos",
+              "--temperature", "0", "--block-size", "4", "--quiet"]
+    assert main([*common, "--file", str(requests), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["outputs"]
+    assert data[0]["outputs"][0]["token_ids"] == [9] * 4
+    assert set(data[1]["outputs"][0]["token_ids"]) <= {11, 12}
+    assert data[2]["prompt_token_ids"] == [8, 9]
+    requests.write_text(json.dumps({"prompt": "x", "logit_bias": {"a": 1}}) + "\n")
+    assert main([*common, "--file", str(requests)]) == 2
+    err = capsys.readouterr().err
+    assert "line 1: 'logit_bias' keys must be token ids" in err and "Traceback" not in err
+
+
 def run_cli(args, stdin):
     return subprocess.run([sys.executable, "-m", "refserve.generate", *args], input=stdin,
                           capture_output=True, text=True, timeout=120)
