@@ -63,9 +63,9 @@ def test_parallel_sampling_shares_prompt_blocks_and_matches_single_runs(tiny_fol
         computed.append(len(inputs.input_ids))
         return inputs
 
-    def spy_copy(block_copies):
+    def spy_copy(block_copies, *swaps):
         copies.extend(block_copies)
-        return original_copy(block_copies)
+        return original_copy(block_copies, *swaps)
 
     runner.prepare, runner.copy_blocks = spy_prepare, spy_copy
     out = llm.generate([prompt], params)[0]

@@ -16,7 +16,7 @@ from refserve.entrypoints.cli_common import (
 )
 
 SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
-             "roofline", "loadtest")
+             "roofline", "loadtest", "preemption")
 
 
 class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -122,8 +122,9 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, result: dict, path: Path) -> None:
+def save_figure(fig, result: dict, path: Path, bottom: float = 0.0) -> None:
+    """Title with the machine, tight layout above `bottom` (room for a figure legend)."""
     fig.suptitle(f"{result['scenario']}: {machine_line(result['machine'])}", fontsize=7)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, dpi=110)
     print(f"plot written to {path}")
