@@ -13,7 +13,8 @@ block tables and the pool before and after each operation.
 * WARMUP.md §3 (blocks, the append rule, internal fragmentation) and §4 (ref counts,
   copy-on-write, prefix caching)
 * code: `refserve/kv_cache/` (`block_allocator.py`, `block_table.py`,
-  `kv_cache_manager.py`, `prefix_cache.py`)
+  `kv_cache_manager.py`, `prefix_cache.py`; the radix tree: `radix_cache.py`,
+  `radix_policy.py`, `radix_draw.py`)
 * grading: `pytest -m block_table`, `-m allocator`, `-m cow`, `-m prefix_cache`
 
 How to read the pictures: the top rows are block tables (one per sequence; `→7 KV 3/4` means
@@ -166,6 +167,54 @@ e = Sequence("E", a.token_ids[:8] + [41], params, seq_id=4)
 print("a new request E with A's prefix still hits:", kv.get_computed_blocks(e))
 before_after(before, snapshot(kv, []),
              ("A, B, C running", "all freed: cached blocks stay findable"))
+plt.show()
+"""),
+    ("md", r"""
+## 6. The same prefixes as a radix tree
+
+`prefix_caching_policy="radix"` (SGLang's RadixAttention, WARMUP.md §13) finds the same hits
+another way: the cached prefixes form a tree whose edges are runs of whole blocks. A lookup
+walks down from the root; a match that ends inside a node **splits** it; an insert adds the
+new blocks as a leaf. Each sequence locks the deepest node it uses, and the lock counts walk
+up to the root: a node with lock 0 is evictable, and eviction takes unlocked leaves, least
+recently used first. The manager's interface and the three words (held / evictable / free)
+do not change; here the tree keeps one reference of its own on each cached block.
+
+Below: R1 caches an 8-token system prompt plus its question, R2 shares the system prompt and
+branches, R3 shares only its first block. Then R1 finishes: its own leaf becomes evictable.
+"""),
+    ("code", r"""
+from refserve.kv_cache.radix_draw import draw_radix_tree
+
+radix = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE, prefix_caching_policy="radix")
+system = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def run_prompt(name, tokens, seq_id):
+    seq = Sequence(name, tokens, params, seq_id=seq_id)
+    hit_blocks, hit_tokens = radix.get_computed_blocks(seq)
+    radix.allocate_slots(seq, seq.num_tokens - hit_tokens, hit_blocks)
+    seq.num_computed_tokens = seq.num_tokens    # the hit, then the step
+    radix.cache_full_blocks(seq)
+    print(f"{name}: {hit_tokens} of {seq.num_tokens} tokens hit")
+    return seq
+
+
+r1 = run_prompt("R1", system + [11, 12, 13, 14, 15], 10)
+r2 = run_prompt("R2", system + [21, 22, 23, 24, 25], 11)
+r3 = run_prompt("R3", system[:4] + [31, 32, 33, 34, 35], 12)
+radix.check_invariants()
+print(radix.radix_tree)
+draw_radix_tree(radix.radix_tree)
+plt.show()
+"""),
+    ("code", r"""
+radix.release(r1)
+radix.check_invariants()
+print(f"held {radix.num_held_blocks}, evictable {radix.num_evictable_blocks}, "
+      f"free {radix.num_free_blocks}")
+print(radix.radix_tree)
+draw_radix_tree(radix.radix_tree)
 plt.show()
 """),
     ("md", r"""

@@ -32,8 +32,8 @@ def run_quick(tmp_path, scenario: str, *extra: str) -> dict:
 
 def test_bad_flags_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["prefix", "--num-requests", "0"])
-    assert e.value.code == 2 and "--num-requests must be > 0" in capsys.readouterr().err
+        main(["prefix", "--scale", "0"])
+    assert e.value.code == 2 and "--scale must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["nonsense"])
     assert e.value.code == 2
@@ -87,18 +87,18 @@ def test_passage_has_exactly_the_asked_tokens(hf_tokenizer):
 @pytest.mark.slow
 def test_prefix_quick(tmp_path, smollm2_dir):
     data = run_quick(tmp_path, "prefix")
-    rows = {(r["workload"], r["prefix_caching"]): r for r in data["rows"]}
-    assert len(rows) == 4
-    for workload in ("shared system prompt", "multi-turn chat"):
-        on, off = rows[(workload, "on")], rows[(workload, "off")]
-        assert on["prompt_tokens"] == off["prompt_tokens"] > 0      # same requests
+    rows = {(r["workload"], r["config"]): r for r in data["rows"]}
+    assert len(rows) == 4 * 5
+    for workload in ("few-shot", "multi-turn", "branches", "agent loop"):
+        off = rows[(workload, "off")]
         assert off["cached_tokens"] == 0 and off["hit_rate"] == 0
-        assert on["prefill_tokens_computed"] == on["prompt_tokens"] - on["cached_tokens"]
-        assert 0 <= on["hit_rate"] <= 1
-        assert data["ratios"][workload]["ttft_p50_speedup"] > 0
-    # the shared system prompt is cached after the first request
-    assert rows[("shared system prompt", "on")]["cached_tokens"] >= 64
-    assert data["ratios"]["shared system prompt"]["prefill_tokens_reduction"] > 0.3
+        for config in ("hash", "radix", "radix + fcfs", "radix + lpm"):
+            r = rows[(workload, config)]
+            assert r["prompt_tokens"] == off["prompt_tokens"] > 0  # same requests
+            assert r["prefill_tokens_computed"] == r["prompt_tokens"] - r["cached_tokens"]
+        assert rows[(workload, "radix")]["cached_tokens"] >= rows[(workload, "hash")][
+            "cached_tokens"] > 0
+    assert all(data["same_outputs"].values())
 
 
 @pytest.mark.slow
@@ -174,3 +174,16 @@ def test_paged_quick(tmp_path, smollm2_dir):
     assert paged["useful_tokens"] == contiguous["useful_tokens"]
     assert paged["kv_slots_peak"] < contiguous["kv_slots_peak"]
     assert data["wall_ratio"] > 0 and data["forward_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_preemption_quick(tmp_path, smollm2_dir):
+    data = run_quick(tmp_path, "preemption")
+    rows = {(r["context"], r["mode"]): r for r in data["rows"]}
+    for context in {r["context"] for r in data["rows"]}:
+        rec, swap = rows[(context, "recompute")], rows[(context, "swap")]
+        assert rec["preemptions"] > 0 and rec["recomputed_tokens"] > 0
+        assert rec["swap_bytes"] == 0
+        assert swap["preemptions"] > 0 and swap["recomputed_tokens"] == 0
+        assert swap["swap_bytes"] > 0 and swap["fallbacks"] == 0
+    assert all(data["same_outputs"].values())

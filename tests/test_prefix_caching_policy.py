@@ -88,3 +88,14 @@ def test_the_flag_and_the_knob():
     assert engine_config_from_args(args).prefix_caching_policy == "radix"
     with pytest.raises(ValueError, match="prefix_caching_policy='tree'"):
         EngineConfig(prefix_caching_policy="tree")
+
+
+def test_the_tree_is_public_under_radix_only():
+    from refserve.kv_cache import KVCacheManager
+    from refserve.kv_cache.radix_cache import RadixCache
+
+    assert KVCacheManager(8, 4).radix_tree is None
+    assert KVCacheManager(8, 4, enable_prefix_caching=False,
+                          prefix_caching_policy="radix").radix_tree is None
+    tree = KVCacheManager(8, 4, prefix_caching_policy="radix").radix_tree
+    assert isinstance(tree, RadixCache) and tree.num_cached_blocks == 0

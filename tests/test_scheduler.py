@@ -188,13 +188,24 @@ def workloads(draw):
                 host_blocks=draw(st.sampled_from([0, 2, 8, 1000])))
 
 
-@pytest.mark.parametrize("batching, policy, preemption", [
-    ("continuous", "fcfs", "recompute"), ("static", "fcfs", "recompute"),
-    ("continuous", "lpm", "recompute"), ("continuous", "priority", "recompute"),
-    ("continuous", "fcfs", "swap"), ("continuous", "priority", "swap")])
+@pytest.mark.parametrize("batching", ["continuous", "static"])
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads())
-def test_random_workloads(batching, policy, preemption, w):
+def test_random_workloads(batching, w):
+    check_random_workload(batching, "fcfs", "recompute", w)
+
+
+@pytest.mark.parametrize("policy, preemption", [
+    ("lpm", "recompute"), ("priority", "recompute"), ("fcfs", "swap"), ("priority", "swap")])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=workloads())
+def test_random_workloads_under_the_other_policies(policy, preemption, w):
+    """The same workloads under scheduling_policy lpm / priority and swap preemption (the
+    prefix-caching policy, hash or radix, is drawn with the workload)."""
+    check_random_workload("continuous", policy, preemption, w)
+
+
+def check_random_workload(batching, policy, preemption, w):
     requests, max_model_len, bs = w["requests"], w["max_model_len"], w["block_size"]
     r0 = requests[0]
     eos = None if w["eos_from"] is None else stub_next_token(

@@ -251,8 +251,8 @@ NUM_LAYERS = 2
 class SwapMachine(RuleBasedStateMachine):
     """Running sequences hold device blocks (shared after forks, copied on write); groups of
     them are swapped out (or, when the host pool is full, preempted by recompute) and swapped
-    back in. The manager's part (allocating, freeing, ref counts) is done here as phase 2
-    will do it in KVCacheManager."""
+    back in. The manager's part (allocating, freeing, ref counts) is played here by hand; the
+    engine's path through KVCacheManager and the scheduler is test_swap_preemption.py's."""
 
     def __init__(self):
         super().__init__()

@@ -3,7 +3,8 @@
 Scenarios (one file each in this package)
     batching   continuous vs static batching vs transformers' generate
     paged      paged vs contiguous KV cache: the cost of the gather
-    prefix     prefix caching on vs off: a shared ~1000-token system prompt; multi-turn chat
+    prefix     prefix caching off / hash / radix, and fcfs vs lpm on a shuffled arrival
+               order, on four branching workloads (few-shot, multi-turn, branches, agent)
     chunked    running decodes while a long prompt arrives, chunked prefill on vs off
     memory     KV slots reserved vs used: paged vs the naive max_model_len cache; n = 4 with
                and without copy-on-write
@@ -15,6 +16,7 @@ Scenarios (one file each in this package)
                goodput under an SLO, $ per 1M output tokens, every request accounted for
     sim-fidelity  the simulator vs the real engine: fit the cost model on a profiling run,
                then throughput / TTFT / TPOT errors on other workloads (refserve/simulator/)
+    preemption recompute vs swap preemption against context length, a pool forced to preempt
 
 Each prints a table, states the machine (cores, BLAS and its kernel, GPU) and the exact
 command, writes every number with --json and a chart with --plot (and the engines' timelines with

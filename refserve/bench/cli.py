@@ -16,9 +16,10 @@ from refserve.entrypoints.cli_common import (
 )
 
 SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
-             "roofline", "loadtest", "sim-fidelity")
+             "roofline", "loadtest", "sim-fidelity", "preemption")
 # The scenarios that step an engine in this process: --trace records their timelines.
-TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity")
+TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
+          "preemption")
 
 
 class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):

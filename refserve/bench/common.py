@@ -125,10 +125,10 @@ def pyplot():
 BANNER_FONTSIZE = 7
 
 
-def save_figure(fig, result: dict, path: Path) -> None:
+def save_figure(fig, result: dict, path: Path, bottom: float = 0.0) -> None:
     """The machine banner on top, wrapped to the figure's width (a long machine line, e.g.
     with a GPU's name, would otherwise run past both edges of a narrow figure), then the
-    axes laid out below it."""
+    axes laid out below it and above `bottom` (room for a figure legend)."""
     import textwrap
 
     banner = f"{result['scenario']}: {machine_line(result['machine'])}"
@@ -136,7 +136,8 @@ def save_figure(fig, result: dict, path: Path) -> None:
     fits = max(20, int(fig.get_figwidth() * 72 / (0.55 * BANNER_FONTSIZE)) - 4)
     lines = textwrap.wrap(banner, fits)
     fig.suptitle("\n".join(lines), fontsize=BANNER_FONTSIZE)
-    fig.tight_layout()      # makes room for the (suptitle) banner above the axes
+    # makes room for the (suptitle) banner above the axes
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, dpi=110)
     print(f"plot written to {path}")
 

@@ -1,14 +1,20 @@
-"""`prefix`: prefix caching on vs off, same requests, same engine settings otherwise.
+"""`prefix`: prefix caching off / hash / radix, and fcfs vs lpm, on four branching workloads.
 
-Two workloads, each request arriving after the previous one was answered (so each finds
-what the earlier ones left in the cache, and TTFT is prefill time, not queueing):
-  shared system prompt   N requests: one ~1000-token system prompt + a short distinct
-                         question each. With caching, every request after the first
-                         computes only its question: prefill tokens fall by ~(N-1)/N.
-  multi-turn chat        conversations whose every turn resends the whole history plus the
-                         new user message; with caching a turn computes only what is new.
+The workloads (bench/branching.py: few-shot, multi-turn chat, k branches from one stem, an
+agent loop) are token ids made from the seed, so every configuration gets the same requests.
+The KV pool is kept small (--pool-fraction of the workload's distinct prompt blocks, at least
+one longest sequence), so the cache must evict and the policies can differ.
 
-prefill tokens computed = prompt tokens - prefix-cache hit tokens (per request, summed).
+    policies    each workload's prompts in their natural order, each sent after the previous
+                one was answered (TTFT is then prefill time, not queueing), under caching
+                off, "hash" (vLLM's chain) and "radix" (SGLang's tree)
+    scheduling  the same prompts in one seeded shuffled order, all queued at once with
+                --max-num-seqs seats, radix caching, scheduling_policy fcfs vs lpm (longest
+                cached prefix first): TTFT includes the wait
+
+Per row: hit rate (cached / prompt tokens), prefill tokens computed (prompt - cached), TTFT
+p50/p99, evictions. Greedy outputs must be identical across every configuration of a
+workload (the cache and the order change what is computed, never what is generated).
 """
 
 from __future__ import annotations
@@ -16,138 +22,152 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
+from refserve.bench.branching import WORKLOADS, make_branching, shuffled
 from refserve.bench.common import ms, percentiles, print_table, pyplot, save_figure, traced
-from refserve.bench.corpus import CHAT_TURNS, QUESTIONS, passage
+from refserve.capacity import blocks_for_tokens
 from refserve.sampling import SamplingParams
 
-HELP = "prefix caching on vs off: shared system prompt; multi-turn chat"
+HELP = "prefix caching off / hash / radix and fcfs vs lpm on four branching workloads"
+POLICIES = (("off", False, "hash"), ("hash", True, "hash"), ("radix", True, "radix"))
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--num-requests", type=int, default=32, help="shared-prompt requests")
-    p.add_argument("--system-tokens", type=int, default=1000)
-    p.add_argument("--conversations", type=int, default=4)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--max-tokens", type=int, default=16, help="answer length")
+    p.add_argument("--scale", type=int, default=64,
+                   help="tokens per example / turn / branch / step (stems 2-3x)")
+    p.add_argument("--max-tokens", type=int, default=4, help="answer length")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--pool-fraction", type=float, default=0.5,
+                   help="KV pool = this fraction of a workload's distinct prompt blocks")
+    p.add_argument("--max-num-seqs", type=int, default=4, help="seats (scheduling part)")
 
 
 def apply_quick(args) -> None:
-    args.num_requests, args.system_tokens = 3, 96
-    args.conversations, args.turns, args.max_tokens = 1, 2, 4
+    args.scale, args.max_tokens = 16, 2
 
 
-POSITIVE = ("num_requests", "system_tokens", "conversations", "turns", "max_tokens")
+POSITIVE = ("scale", "max_tokens", "block_size", "pool_fraction", "max_num_seqs")
 
 
-def _chat_prompt(tok, messages) -> str:
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+def pool_blocks(workload, args) -> int:
+    """--pool-fraction of the distinct prompt blocks, but at least the longest sequence
+    (prompt + answer) and one block more."""
+    longest = max(len(p) for p in workload.prompts) + args.max_tokens
+    one = blocks_for_tokens(longest, args.block_size)
+    distinct = blocks_for_tokens(workload.distinct_tokens, args.block_size)
+    return max(one + 1, int(args.pool_fraction * distinct)), longest
 
 
-def _answer(engine, prompt: str, max_tokens: int):
-    """Send one request and step the engine until it is answered."""
-    rid = engine.add_request(None, prompt, SamplingParams(max_tokens=max_tokens,
-                                                          temperature=0.0, ignore_eos=True))
-    while True:
+def _engine(args, workload, caching: bool, policy: str, scheduling: str = "fcfs"):
+    from refserve.engine import LLMEngine
+
+    blocks, longest = pool_blocks(workload, args)
+    engine = LLMEngine(model=args.model, progress=False, enable_prefix_caching=caching,
+                       prefix_caching_policy=policy, scheduling_policy=scheduling,
+                       block_size=args.block_size, num_gpu_blocks_override=blocks,
+                       max_model_len=blocks_for_tokens(longest, args.block_size)
+                       * args.block_size, max_num_seqs=args.max_num_seqs)
+    label = f"{workload.name}: {policy if caching else 'off'} + {scheduling}"
+    return traced(args, engine, label)
+
+
+def _params(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _drain(engine, ids: list[str]) -> dict:
+    done = {}
+    while len(done) < len(ids):
         for out in engine.step():
-            if out.request_id == rid and out.finished:
-                return out
+            if out.finished:
+                done[out.request_id] = out
+    return done
 
 
-def _row(workload: str, caching: bool, outs, elapsed: float) -> dict:
+def _warm(engine) -> None:
+    """The first forward pays one-off costs; this request shares no prefix (token 3s)."""
+    _drain(engine, [engine.add_request(None, [3, 3, 3], SamplingParams(max_tokens=1))])
+
+
+def _row(workload, config: str, part: str, outs, engine, elapsed: float) -> dict:
     prompt = sum(o.metrics.num_prompt_tokens for o in outs)
     cached = sum(o.metrics.num_cached_tokens for o in outs)
     ttft = percentiles([o.metrics.ttft for o in outs], (50, 99))
-    return {"workload": workload, "prefix_caching": "on" if caching else "off",
+    return {"workload": workload.name, "part": part, "config": config,
             "requests": len(outs), "prompt_tokens": prompt, "cached_tokens": cached,
             "prefill_tokens_computed": prompt - cached,
             "hit_rate": cached / prompt if prompt else 0.0,
+            "evictions": engine.stats()["prefix_cache_evictions"],
+            "pool_blocks": engine.num_blocks,
             "ttft_p50_ms": ms(ttft["p50"]), "ttft_p99_ms": ms(ttft["p99"]),
             "elapsed_s": elapsed}
 
 
 def run(args) -> dict:
-    from refserve.engine import LLMEngine
+    from refserve.models.loader import load_config, resolve_model_path
 
-    rows, texts = [], {}
-    for caching in (True, False):
-        engine = traced(args, LLMEngine(model=args.model, enable_prefix_caching=caching,
-                                        progress=False),
-                        f"prefix caching {'on' if caching else 'off'}")
-        tok = engine.tokenizer
-        if tok is None:
-            raise ValueError("the prefix scenario needs a model with a tokenizer")
-        _answer(engine, "Hello", 1)  # warm-up: the first forward pays one-off costs
-        system = passage(tok, args.system_tokens, args.seed)
-        questions = [QUESTIONS[(args.seed + i) % len(QUESTIONS)] + f" (request {i})"
-                     for i in range(args.num_requests)]
-        label = "on" if caching else "off"
-        t0, outs = time.perf_counter(), []
-        for q in tqdm(questions, desc=f"shared system prompt, caching {label}", unit="req"):
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-            outs.append(_answer(engine, _chat_prompt(tok, messages), args.max_tokens))
-        rows.append(_row("shared system prompt", caching, outs, time.perf_counter() - t0))
-        texts[("shared", caching)] = [o.outputs[0].token_ids for o in outs]
-
-        t0, outs = time.perf_counter(), []
-        chats = [[] for _ in range(args.conversations)]
-        bar = tqdm(total=args.conversations * args.turns, desc=f"multi-turn, caching {label}",
-                   unit="turn")
-        for turn in range(args.turns):
-            for c, messages in enumerate(chats):
-                messages.append({"role": "user",
-                                 "content": CHAT_TURNS[(turn + c) % len(CHAT_TURNS)]})
-                out = _answer(engine, _chat_prompt(tok, messages), args.max_tokens)
-                messages.append({"role": "assistant", "content": out.outputs[0].text})
-                outs.append(out)
-                bar.update(1)
-        bar.close()
-        rows.append(_row("multi-turn chat", caching, outs, time.perf_counter() - t0))
-        texts[("chat", caching)] = [o.outputs[0].token_ids for o in outs]
-
-    ratios = {}
-    for workload in ("shared system prompt", "multi-turn chat"):
-        on, off = (next(r for r in rows if r["workload"] == workload
-                        and r["prefix_caching"] == x) for x in ("on", "off"))
-        ratios[workload] = {
-            "prefill_tokens_reduction": 1 - on["prefill_tokens_computed"]
-            / off["prefill_tokens_computed"],
-            "ttft_p50_speedup": off["ttft_p50_ms"] / on["ttft_p50_ms"]}
-    same = {k: sum(a == b for a, b in zip(texts[(k, True)], texts[(k, False)]))
-            for k in ("shared", "chat")}
+    vocab = load_config(resolve_model_path(args.model, False)).vocab_size
+    rows, outputs = [], {}
+    for name in WORKLOADS:
+        workload = make_branching(name, args.scale, args.seed, vocab)
+        for config, caching, policy in POLICIES:
+            engine = _engine(args, workload, caching, policy)
+            _warm(engine)
+            t0, outs = time.perf_counter(), []
+            for prompt in workload.prompts:  # one at a time: later ones find earlier ones
+                rid = engine.add_request(None, prompt, _params(args))
+                outs.append(_drain(engine, [rid])[rid])
+            rows.append(_row(workload, config, "policies", outs, engine,
+                             time.perf_counter() - t0))
+            outputs[(name, config)] = {tuple(p): o.outputs[0].token_ids
+                                       for p, o in zip(workload.prompts, outs)}
+        arrivals = shuffled(workload.prompts, args.seed)
+        for scheduling in ("fcfs", "lpm"):
+            engine = _engine(args, workload, True, "radix", scheduling)
+            _warm(engine)
+            t0 = time.perf_counter()
+            ids = [engine.add_request(None, p, _params(args)) for p in arrivals]
+            done = _drain(engine, ids)
+            outs = [done[rid] for rid in ids]
+            rows.append(_row(workload, f"radix + {scheduling}", "scheduling", outs, engine,
+                             time.perf_counter() - t0))
+            outputs[(name, scheduling)] = {tuple(p): o.outputs[0].token_ids
+                                           for p, o in zip(arrivals, outs)}
+    same = {name: all(outputs[(name, c)] == outputs[(name, "off")]
+                      for c in ("hash", "radix", "fcfs", "lpm")) for name in WORKLOADS}
     print()
-    print_table(rows, [("workload", "workload", ""), ("prefix_caching", "caching", ""),
-                       ("requests", "requests", "d"), ("prompt_tokens", "prompt tok", "d"),
+    print_table(rows, [("workload", "workload", ""), ("config", "config", ""),
+                       ("requests", "req", "d"), ("prompt_tokens", "prompt tok", "d"),
                        ("prefill_tokens_computed", "prefill computed", "d"),
-                       ("hit_rate", "hit rate", ".1%"), ("ttft_p50_ms", "TTFT p50 ms", ".0f"),
+                       ("hit_rate", "hit rate", ".1%"), ("evictions", "evicted", "d"),
+                       ("pool_blocks", "pool", "d"),
+                       ("ttft_p50_ms", "TTFT p50 ms", ".0f"),
                        ("ttft_p99_ms", "TTFT p99 ms", ".0f"), ("elapsed_s", "seconds", ".1f")])
-    for workload, r in ratios.items():
-        print(f"{workload}: prefill tokens computed down {r['prefill_tokens_reduction']:.1%}, "
-              f"TTFT p50 {r['ttft_p50_speedup']:.1f}x lower with prefix caching")
-    print(f"greedy outputs identical with and without caching: shared "
-          f"{same['shared']}/{args.num_requests}, multi-turn "
-          f"{same['chat']}/{args.conversations * args.turns}")
-    return {"rows": rows, "ratios": ratios, "same_outputs": same}
+    print(f"greedy outputs identical across off / hash / radix / fcfs / lpm: "
+          f"{', '.join(f'{n} {s}' for n, s in same.items())}")
+    return {"rows": rows, "same_outputs": same, "scale": args.scale,
+            "block_size": args.block_size, "pool_fraction": args.pool_fraction}
 
 
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     rows = result["rows"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    workloads = ["shared system prompt", "multi-turn chat"]
-    x = range(len(workloads))
-    for offset, caching, color in ((-0.2, "off", "tab:gray"), (0.2, "on", "tab:green")):
-        sel = [next(r for r in rows if r["workload"] == w and r["prefix_caching"] == caching)
-               for w in workloads]
-        a.bar([i + offset for i in x], [r["prefill_tokens_computed"] for r in sel], 0.4,
-              label=f"caching {caching}", color=color)
-        b.bar([i + offset for i in x], [r["ttft_p50_ms"] for r in sel], 0.4,
-              label=f"caching {caching}", color=color)
-    for ax, title in ((a, "prefill tokens computed"), (b, "TTFT p50 (ms)")):
-        ax.set_xticks(list(x), workloads)
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    save_figure(fig, result, path)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.8))
+    x = range(len(WORKLOADS))
+    series = (("off", "tab:gray"), ("hash", "tab:blue"), ("radix", "tab:green"),
+              ("radix + fcfs", "tab:orange"), ("radix + lpm", "tab:red"))
+    width = 0.16
+    for i, (config, color) in enumerate(series):
+        sel = [next(r for r in rows if r["workload"] == w and r["config"] == config)
+               for w in WORKLOADS]
+        at = [j + (i - 2) * width for j in x]
+        axes[0].bar(at, [r["hit_rate"] * 100 for r in sel], width, label=config, color=color)
+        axes[1].bar(at, [r["prefill_tokens_computed"] for r in sel], width, color=color)
+        axes[2].bar(at, [r["ttft_p50_ms"] for r in sel], width, color=color)
+    for ax, title in zip(axes, ("hit rate (% of prompt tokens)", "prefill tokens computed",
+                                "TTFT p50 (ms)")):
+        ax.set_xticks(list(x), WORKLOADS, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=8,
+               title="off / hash / radix: sent one at a time; radix + fcfs / lpm: the same "
+               "prompts shuffled and queued at once (TTFT includes the wait)", title_fontsize=8)
+    save_figure(fig, result, path, bottom=0.14)

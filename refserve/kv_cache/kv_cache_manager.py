@@ -128,6 +128,12 @@ class KVCacheManager:
         """What an allocation can take: free + evictable blocks."""
         return self.num_free_blocks + self.num_evictable_blocks
 
+    @property
+    def radix_tree(self):
+        """The RadixCache under prefix_caching_policy="radix" (to print or draw it with
+        radix_draw.draw_radix_tree); None under "hash" or with caching off."""
+        return self._radix.tree if self._radix else None
+
     def cached_blocks(self) -> dict[int, tuple[int, ...]]:
         """Every cached block (held or evictable) -> the tokens whose KV it holds."""
         if self._radix:
