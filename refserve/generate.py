@@ -88,7 +88,7 @@ def build_parser() -> ArgumentParser:
                    help="keep the stop string at the end of the text")
     s.add_argument("--ignore-eos", action="store_true", help="go on past the EOS token")
     s.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token "
-                   "(in --json)")
+                   "(in --json; -1: the whole vocabulary)")
     return p
 
 

@@ -128,6 +128,41 @@ def test_min_tokens(llm):
     assert len(longer.token_ids) >= n and eos not in longer.token_ids[:n]
 
 
+def test_bad_words_logit_bias_and_special_tokens_on_the_real_tokenizer(llm):
+    """SmolLM2's byte-level BPE spells a word differently at the start and after a space
+    ("Paris" vs " Paris"): bad_words bans both, so the greedy answer changes."""
+    greedy = dict(temperature=0, max_tokens=8)
+    plain = llm.generate("The capital of France is", SamplingParams(**greedy))[0].outputs[0]
+    assert "Paris" in plain.text
+    tok = llm.get_tokenizer()
+    variants = {tok.encode(w, add_special_tokens=False)[0] for w in ("Paris", " Paris")}
+    assert len(variants) == 2
+    banned = llm.generate("The capital of France is",
+                          SamplingParams(bad_words=["Paris"], **greedy))[0].outputs[0]
+    assert "Paris" not in banned.text and not variants & set(banned.token_ids)
+    # logit_bias -100 on the first answer token: the same change of course as vLLM's.
+    biased = llm.generate("The capital of France is", SamplingParams(
+        logit_bias={plain.token_ids[0]: -100}, **greedy))[0].outputs[0]
+    assert biased.token_ids[0] != plain.token_ids[0]
+    # The chat answer ends with EOS, <|im_end|>. As in vLLM its text is dropped like a stop
+    # token's unless include_stop_str_in_output, and then shows only with
+    # skip_special_tokens=False.
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say only: yes"}],
+                                     tokenize=False, add_generation_prompt=True)
+    texts = {}
+    for skip in (True, False):
+        for include in (False, True):
+            out = llm.generate(prompt, SamplingParams(
+                temperature=0, max_tokens=32, skip_special_tokens=skip,
+                include_stop_str_in_output=include))[0].outputs[0]
+            assert out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
+            texts[skip, include] = out.text
+    answer = texts[True, False]
+    assert answer and "<|im_end|>" not in answer
+    assert texts[True, True] == texts[False, False] == answer
+    assert texts[False, True] == answer + "<|im_end|>"
+
+
 def test_stop_strings_with_and_without_include_stop_str_in_output(llm):
     base = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24))[0]
     text = base.outputs[0].text
