@@ -232,3 +232,48 @@ def test_a_step_never_applied_carries_its_swap_copies():
     for seq in (a, b):
         tokens, _ = expected_output(seq.request_id, 4, seq.sampling_params, 512, None)
         assert done[seq.request_id].output_token_ids == tokens
+
+
+def test_victims_of_one_step_share_their_host_blocks():
+    """Two forked siblings preempted in the same step: their 3 shared blocks are copied
+    once, onto host blocks of ref count 2; device ref counts drop as on recompute."""
+    from refserve.kv_cache import KVCacheManager
+    from refserve.kv_cache.host_pool import HostBlockPool
+    from refserve.scheduler import SchedulerOutput
+    from refserve.scheduler.swapping import Swapper
+    from refserve.sequence import Sequence
+
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False)
+    a = Sequence("a", list(range(10)), SamplingParams(), seq_id=0)
+    kv.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    b = a.fork(seq_id=1)
+    kv.fork(a, b)
+    swapper = Swapper(HostBlockPool(8), kv)
+    assert swapper.defer(a) and swapper.defer(b)
+    assert kv.num_held_blocks == 0  # released at once: the pool can use them this step
+    out = SchedulerOutput(step=0)
+    swapper.flush(out)
+    host = swapper.host_pool
+    assert len(out.swap_out) == 3 and host.host_table(0) == host.host_table(1)
+    assert [host.ref_count(h) for h in host.host_table(0)] == [2, 2, 2]
+    back = SchedulerOutput(step=1)
+    swapper.swap_in(a, back)  # alone: its own device copies; b keeps the host blocks
+    assert len(back.swap_in) == 3 and kv.get_block_ids(0) == [d for _, d in back.swap_in]
+    assert [host.ref_count(h) for h in host.host_table(1)] == [1, 1, 1]
+    kv.check_invariants()
+    host.check_invariants()
+
+
+def test_a_victim_the_host_pool_cannot_hold_is_left_to_recompute():
+    from refserve.kv_cache import KVCacheManager
+    from refserve.kv_cache.host_pool import HostBlockPool
+    from refserve.scheduler.swapping import Swapper
+    from refserve.sequence import Sequence
+
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False)
+    a = Sequence("a", list(range(10)), SamplingParams(), seq_id=0)
+    kv.allocate_slots(a, 10)
+    swapper = Swapper(HostBlockPool(2), kv)  # 3 blocks do not fit
+    assert not swapper.defer(a) and swapper.num_fallbacks == 1
+    assert kv.has_sequence(0) and not swapper.is_swapped_out(a)  # nothing changed
