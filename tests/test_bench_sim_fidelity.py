@@ -58,8 +58,11 @@ def test_sim_fidelity_quick(tmp_path, smollm2_dir):
             assert real > 0 and sim > 0
             assert err == pytest.approx((sim - real) / real)
             # Same-run ratio, loose on purpose: an unfitted profile (e.g. the H100's) or a
-            # misread unit is off by orders of magnitude, machine noise is not.
-            assert abs(err) < 2.0, (row["workload"], label, err)
+            # misread unit is off by orders of magnitude; a shared machine's noise (up to
+            # +145% at load 5 on 2 cores) is not.
+            assert 0.2 < sim / real < 5, (row["workload"], label, err)
     errors = [abs(r[f"err_{label}"]) for r in data["rows"] for label, _ in METRICS]
     assert data["max_abs_error"] == pytest.approx(max(errors))
     assert len(data["load_average_start"]) == 3
+    assert 0 < data["cpu_share_fit"] <= 1.5 and all(0 < r["cpu_share"] <= 1.5
+                                                    for r in data["rows"])
