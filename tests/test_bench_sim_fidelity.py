@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -64,5 +65,6 @@ def test_sim_fidelity_quick(tmp_path, smollm2_dir):
     errors = [abs(r[f"err_{label}"]) for r in data["rows"] for label, _ in METRICS]
     assert data["max_abs_error"] == pytest.approx(max(errors))
     assert len(data["load_average_start"]) == 3
-    assert 0 < data["cpu_share_fit"] <= 1.5 and all(0 < r["cpu_share"] <= 1.5
-                                                    for r in data["rows"])
+    cores = os.cpu_count() + 0.5  # a multi-threaded BLAS may use every core
+    assert 0 < data["cpu_share_fit"] <= cores
+    assert all(0 < r["cpu_share"] <= cores for r in data["rows"])
