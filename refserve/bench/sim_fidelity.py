@@ -8,7 +8,10 @@
    measured by the roofline bench's ceilings); steps that another process interrupted
    (far slower than the fit predicts) are left out and the fit redone (`robust_fit`).
    The CPU share this process got (CPU seconds per busy wall second) is printed for the fit
-   and for each test workload: when they differ, the machine changed between them.
+   and for each test workload: when they differ, the machine changed between them. A second
+   table does the same with the cost model fitted on each step's CPU time and the
+   simulated times divided by the CPU share measured during each real run: the cost
+   model's own error, with the other processes' share of the machine taken out.
 2. TEST, on other workloads (never fit on what is tested): each runs twice, on the real
    engine (requests added when the wall clock passes their arrival time) and on the
    simulator with the fitted cost model (the same prompts, the real run's output tokens,
@@ -68,20 +71,39 @@ class Request:
 
 
 class StepProfile:
-    """An LLMEngine observer: (StepComposition, seconds) of every step."""
+    """An LLMEngine observer: (StepComposition, wall seconds) of every step in `samples`,
+    and (StepComposition, CPU seconds this process spent since the previous step or
+    arrival) in `cpu_samples`."""
 
     def __init__(self) -> None:
         from refserve.simulator.cost_model import StepComposition
 
         self._of = StepComposition.of
         self.samples: list = []
+        self.cpu_samples: list = []
+        self._cpu = time.process_time()
 
     def arrive(self, request_id, t) -> None:
-        pass
+        self._cpu = time.process_time()  # add_request's own work is not a step's
 
     def step(self, t_start, t_end, out, update, outputs) -> None:
+        cpu, self._cpu = time.process_time() - self._cpu, time.process_time()
         if out.scheduled:
-            self.samples.append((self._of(out), t_end - t_start))
+            comp = self._of(out)
+            self.samples.append((comp, t_end - t_start))
+            if cpu > 0:
+                self.cpu_samples.append((comp, cpu))
+
+
+class _Scaled:
+    """A cost model whose step times are divided by `cpu_share` (CPU seconds to wall)."""
+
+    def __init__(self, cost_model, cpu_share: float) -> None:
+        self.cost_model, self.cpu_share = cost_model, cpu_share
+        self.model, self.gpu = cost_model.model, cost_model.gpu
+
+    def step_time(self, out) -> float:
+        return self.cost_model.step_time(out) / self.cpu_share
 
 
 @dataclass
@@ -246,11 +268,14 @@ def run(args) -> dict:
     fit_share = float(np.mean(shares))
     fitted, dropped = robust_fit(CostModel(shape, gpu, "float32"), profile.samples)
     cm = fitted.cost_model
+    cpu_fit, _ = robust_fit(CostModel(shape, gpu, "float32"), profile.cpu_samples)
     print(f"fit: {len(profile.samples)} steps profiled in {time.perf_counter() - t0:.1f} s, "
           f"{dropped} interrupted ones left out; on the {fitted.num_samples} kept: rms "
           f"relative error {fitted.rms_relative_error:.1%}, max "
           f"{fitted.max_relative_error:.1%}; this process got {fit_share:.0%} of a CPU\n"
-          f"{cm.describe()}", flush=True)
+          f"{cm.describe()}\nCPU-time fit: rms relative error "
+          f"{cpu_fit.rms_relative_error:.1%}, max {cpu_fit.max_relative_error:.1%}",
+          flush=True)
     del engine
     rows = []
     for name, (config, requests) in workloads_to_test(args.scale, vocab, args.seed).items():
@@ -259,12 +284,15 @@ def run(args) -> dict:
         outputs = run_.outputs
         real = summarize([o.metrics for o in outputs.values()], run_.elapsed, {})
         sim = simulate(engine, cm, requests, outputs)
+        sim_cpu = simulate(engine, _Scaled(cpu_fit.cost_model, run_.cpu_share), requests,
+                           outputs)
         row = {"workload": name, "requests": len(requests), "steps": sim.num_steps,
                "load_average": os.getloadavg()[0], "cpu_share": run_.cpu_share}
         for label, attr in METRICS:
-            r, s = getattr(real, attr), getattr(sim, attr)
-            row[f"real_{label}"], row[f"sim_{label}"] = r, s
+            r, s, c = getattr(real, attr), getattr(sim, attr), getattr(sim_cpu, attr)
+            row[f"real_{label}"], row[f"sim_{label}"], row[f"sim_cpu_{label}"] = r, s, c
             row[f"err_{label}"] = (s - r) / r if r and s is not None else None
+            row[f"err_cpu_{label}"] = (c - r) / r if r and c is not None else None
         rows.append(row)
         print(f"  {name}: real {real.format()}", flush=True)
         del engine
@@ -284,6 +312,16 @@ def run(args) -> dict:
           f"{TARGET_MEDIAN:.0%}); load average at the end {os.getloadavg()[0]:.2f}; this "
           f"process got {fit_share:.0%} of a CPU during the fit (CPU share: during each "
           f"workload)")
+    cpu_errors = [abs(row[f"err_cpu_{label}"]) for row in rows for label, _ in METRICS
+                  if row[f"err_cpu_{label}"] is not None]
+    print("\nthe same, fitted on each step's CPU time and scaled by the CPU share of each run "
+          "(what the cost model would predict on a machine nobody else loads):")
+    print_table([{"workload": row["workload"], **{label: _pct(row[f"err_cpu_{label}"])
+                                                 for label, _ in METRICS}} for row in rows],
+                [("workload", "workload", "")] +
+                [(label, label + " err", "") for label, _ in METRICS])
+    cpu_median, cpu_worst = float(np.median(cpu_errors)), float(np.max(cpu_errors))
+    print(f"median {cpu_median:.1%}, max {cpu_worst:.1%}")
     e = cm.eff
     return {"load_average_start": list(load), "load_average_end": list(os.getloadavg()),
             "cpu_share_fit": fit_share,
@@ -297,6 +335,8 @@ def run(args) -> dict:
                                      "step_overhead_s": e.step_overhead_s,
                                      "row_overhead_s": e.row_overhead_s}},
             "rows": rows, "median_abs_error": median, "max_abs_error": worst,
+            "cpu_time_fit": {"rms_relative_error": cpu_fit.rms_relative_error,
+                             "median_abs_error": cpu_median, "max_abs_error": cpu_worst},
             "meets_target": verdict == "meets"}
 
 
