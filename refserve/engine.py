@@ -26,31 +26,26 @@ time.perf_counter() bounds. The `--trace` timeline (refserve/simulator/trace.py,
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
 import time
 
 import numpy as np
 
-import refserve.capacity as capacity
 from refserve.backends import get_backend
-from refserve.config import (
-    EngineConfig,
-    resolve_long_prefill_token_threshold,
-    resolve_max_num_batched_tokens,
-)
+from refserve.config import EngineConfig
 from refserve.detokenizer import IncrementalDetokenizer
+from refserve.engine_setup import plan_kv_pool, resolve_token_budget, startup_lines
 from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
-from refserve.kv_cache.host_pool import HostBlockPool, host_blocks_for_swap_space
-from refserve.logits_processors import bad_words_token_ids
+from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.metrics import RequestMetrics
 from refserve.model_runner import ModelRunner
 from refserve.models.loader import load_tokenizer, resolve_model_path
 from refserve.output_processor import RequestState, make_outputs
 from refserve.outputs import RequestOutput
 from refserve.prompt_logprobs import score_prompt
+from refserve.request_intake import RequestIntake
 from refserve.sampling import Sampler, SamplingParams, make_generator
 from refserve.scheduler import (
     SampledTokens,
@@ -78,7 +73,7 @@ class EngineStepError(RuntimeError):
         self.request_ids = request_ids
 
 
-class LLMEngine:
+class LLMEngine(RequestIntake):
     def __init__(self, config: EngineConfig | None = None, progress: bool = True,
                  **kwargs) -> None:
         from refserve.models.loader import load_model  # lazily: numpy-only until here
@@ -88,17 +83,8 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model, progress)
         self.backend = get_backend(config.backend)
         # None means the backend's default token budget (config.py), resolved once, here.
-        budget_source = "max_num_batched_tokens"
-        budget_was_default = config.max_num_batched_tokens is None
-        if budget_was_default:
-            budget_source = f"the {self.backend.name} default"
-        budget = resolve_max_num_batched_tokens(config.max_num_batched_tokens,
-                                                self.backend.name)
-        self.config = config = dataclasses.replace(
-            config, max_num_batched_tokens=budget,
-            long_prefill_token_threshold=resolve_long_prefill_token_threshold(
-                config.long_prefill_token_threshold, budget_was_default, budget,
-                self.backend.name))
+        config, budget_source = resolve_token_budget(config, self.backend.name)
+        self.config = config
         # Weights and KV cache dtype; refused here (before loading) if the backend lacks it.
         self.dtype = self.backend.resolve_dtype(config.dtype)
         self.model = load_model(self.model_path, self.backend, self.dtype)
@@ -113,64 +99,24 @@ class LLMEngine:
 
         # --- speculative decoding: the draft model (if any) shares the KV memory below.
         spec = self.speculative_config = config.speculative_config
-        draft_model, draft_cost, draft_bytes_per_token = None, 0.0, 0
+        draft_model, draft_cost = None, 0.0
         if spec is not None and spec.method == "draft_model":
             draft_model, draft_cost = load_draft_model(
                 spec, self.model, self.backend, self.dtype, self.tokenizer, load_tokenizer,
                 self.max_model_len)
-            dc = draft_model.config
-            draft_bytes_per_token = capacity.kv_bytes_per_token(
-                dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim,
-                capacity.DTYPE_BYTES[self.dtype.name])
 
-        # --- KV pool sizing: the blocks, not the weights, decide how many sequences fit.
-        # All arithmetic is refserve/capacity.py's; this only picks its inputs.
-        contiguous = config.kv_cache_layout == "contiguous"
-        self.block_size = self.max_model_len if contiguous else config.block_size
-        bytes_per_token = capacity.kv_bytes_per_token(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-            capacity.DTYPE_BYTES[self.dtype.name])
-        bytes_per_block = capacity.kv_bytes_per_block(bytes_per_token, self.block_size)
-        # With a draft model both caches get num_blocks blocks: the memory is split between
-        # them by bytes per token.
-        draft_bytes_per_block = (capacity.kv_bytes_per_block(draft_bytes_per_token,
-                                                             self.block_size)
-                                 if draft_bytes_per_token else 0)
-        if config.num_gpu_blocks_override is not None:
-            num_blocks = config.num_gpu_blocks_override
-            knob = f"num_gpu_blocks_override={num_blocks}"
-        else:
-            free_device = self.backend.free_device_memory()
-            if free_device is not None:
-                # Activations of one step at the token budget: hidden states, q/k/v, MLP,
-                # logits.
-                tokens, item = config.max_num_batched_tokens, self.dtype.itemsize
-                activations = (tokens * (4 * mc.hidden_size + 2 * mc.intermediate_size) * item
-                               + min(tokens, config.max_num_seqs) * mc.vocab_size * 4)
-                memory, knob = capacity.kv_budget_on_device(
-                    self.backend.total_device_memory(), free_device,
-                    config.gpu_memory_utilization, activations)
-                utilization = 1.0
-            else:
-                memory, utilization = config.kv_cache_memory_bytes, 1.0
-                knob = f"kv_cache_memory_bytes={memory}"
-            num_blocks = capacity.num_blocks_for_memory(
-                memory, utilization, 0, bytes_per_block + draft_bytes_per_block)
-            # More blocks than max_num_seqs full-length sequences can use is wasted memory.
-            num_blocks = min(num_blocks, config.max_num_seqs * capacity.blocks_for_tokens(
-                self.max_model_len, self.block_size))
-        # A pool that cannot hold one max_model_len sequence would fail mid-run: refuse now.
-        capacity.check_pool_holds_one_sequence(num_blocks, self.block_size, self.max_model_len,
-                                               knob)
-        self.num_blocks = num_blocks
+        # --- the KV pool: the blocks, not the weights, decide how many sequences fit.
+        plan = self.kv_pool_plan = plan_kv_pool(
+            config, mc, self.backend, self.dtype, self.max_model_len,
+            draft_model.config if draft_model is not None else None)
+        self.num_blocks = num_blocks = plan.num_blocks
+        self.block_size = plan.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size,
-            enable_prefix_caching=config.enable_prefix_caching and not contiguous,
+            enable_prefix_caching=config.enable_prefix_caching
+            and config.kv_cache_layout != "contiguous",
             prefix_caching_policy=config.prefix_caching_policy)
-        # Swap preemption: swap_space GiB of host blocks of the device layout.
-        self.num_host_blocks = (host_blocks_for_swap_space(config.swap_space, bytes_per_block)
-                                if config.preemption_mode == "swap" else 0)
-        self.bytes_per_block = bytes_per_block
+        self.num_host_blocks, self.bytes_per_block = plan.num_host_blocks, plan.bytes_per_block
         scheduler_cls = StaticScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(
             config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache_manager,
@@ -203,93 +149,14 @@ class LLMEngine:
         self.time_in_step = 0.0  # seconds inside step(); runner.time_in_forward is the model
         self.observer = None     # see the module docstring
         if progress:
-            tokens = num_blocks * self.block_size
-            cap = (f", a prefill at most {config.long_prefill_token_threshold}"
-                   if config.long_prefill_token_threshold else "")
-            print(f"refserve: {config.backend}→{self.backend.name} backend, model "
-                  f"{self.model_path.name} ({mc.num_parameters() / 1e6:.0f}M params) | KV cache "
-                  f"{num_blocks} blocks × {self.block_size} tokens = {tokens} tokens, "
-                  f"{num_blocks * bytes_per_block / 1024**3:.2f} GiB | max concurrency at "
-                  f"max_model_len {self.max_model_len}: {tokens / self.max_model_len:.2f}x"
-                  f" | sized by {knob} | token budget {config.max_num_batched_tokens} per "
-                  f"step ({budget_source}){cap}", file=sys.stderr, flush=True)
-            if spec is not None:
-                draft = ""
-                if draft_bytes_per_token:
-                    draft = (f"; KV memory split by bytes per token: target {bytes_per_token}"
-                             f" B, draft {draft_bytes_per_token} B -> draft cache "
-                             f"{num_blocks * draft_bytes_per_block / 1024**3:.2f} GiB")
-                method = (f"draft_model self ({spec.num_draft_layers} layers)"
-                          if spec.is_self_draft else spec.method)
-                print(f"refserve: speculative decoding {method}, k = {spec.k}, adaptive "
-                      f"{'on' if spec.adaptive else 'off'}{draft}", file=sys.stderr,
-                      flush=True)
+            for line in startup_lines(config, self.backend.name, self.model_path.name,
+                                      mc.num_parameters(), self.max_model_len, plan,
+                                      budget_source):
+                print(line, file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests
-    def encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"{self.model_path} has no tokenizer; pass prompt token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
-
-    def apply_chat_template(self, conversation, chat_template: str | None = None,
-                            add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> str:
-        """The prompt text of a conversation (a list of {"role", "content"} dicts; a plain
-        string is one user message), rendered with the model's chat template."""
-        if isinstance(conversation, str):
-            conversation = [{"role": "user", "content": conversation}]
-        if self.tokenizer is None or not (chat_template or getattr(
-                self.tokenizer, "chat_template", None)):
-            raise ValueError(f"{self.model_path} has no chat template; use generate() with a "
-                             "plain prompt, or pass chat_template=")
-        return self.tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message)
-
-    def validate_request(self, prompt, sampling_params: SamplingParams) -> list[int]:
-        """Check one request before anything is allocated; returns its prompt token ids.
-        `prompt`: any single-prompt form of refserve/inputs.py. Raises ValueError naming the
-        problem (TypeError for a prompt of no accepted form)."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got "
-                             f"{type(sampling_params).__name__}")
-        sampling_params.validate()
-        if prompt is not None and not isinstance(prompt, list):
-            prompt = parse_prompt(prompt)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty; give at least one token")
-            token_ids = self.encode(prompt)
-        elif prompt is None:
-            raise ValueError("prompt is None; give a string or a list of token ids")
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty; give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {len(bad)} unknown token id(s), "
-                             f"e.g. {bad[0]!r}; valid ids are 0..{vocab - 1}")
-        sampling_params.check_vocab(vocab)
-        self.bad_words_token_ids(sampling_params)          # refused now, not mid-run
-        keep = sampling_params.truncate_prompt_tokens
-        if keep is not None:        # vLLM's left truncation; -1: the last max_model_len
-            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
-        self.scheduler.check_fits(len(token_ids), sampling_params.n)
-        return [int(t) for t in token_ids]
-
-    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
-        """`params.bad_words` as token sequences (logits_processors.py, rule b); ValueError
-        naming the field when there is no tokenizer to read them."""
-        if not params.bad_words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError(f"SamplingParams.bad_words={params.bad_words!r}: the model "
-                             f"{self.model_path} has no tokenizer to turn words into tokens")
-        return bad_words_token_ids(params.bad_words, self.tokenizer)
-
+    # encode, decode_token, apply_chat_template, validate_request, bad_words_token_ids and
+    # check_priority: refserve/request_intake.py.
     def add_request(self, request_id: str | None, prompt,
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> str:
@@ -331,15 +198,6 @@ class LLMEngine:
             self.observer.arrive(request_id, now)
         return request_id
 
-    def check_priority(self, priority) -> None:
-        """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
-            raise ValueError(f"priority={priority!r}: must be an integer (lower runs first)")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} given, but scheduling_policy is "
-                             f"{self.config.scheduling_policy!r}; use "
-                             "scheduling_policy='priority'")
-
     def abort_request(self, request_id) -> bool:
         """vLLM's name: stop a waiting, running or preempted request (or each of an
         iterable of ids); its blocks are freed at once. True if any was still live."""
@@ -356,16 +214,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    def decode_token(self, token_id: int) -> str | None:
-        """One token's text (Logprob.decoded_token), remembered: logprobs=-1 asks for every
-        token of the vocabulary at every step."""
-        if self.tokenizer is None:
-            return None
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:

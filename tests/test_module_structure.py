@@ -130,7 +130,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("backends and models", ("refserve.backends", "refserve.models")),
     ("model runner", ("refserve.model_runner",)),
     ("spec-decode orchestration", ("refserve.speculation",)),
-    ("engine", ("refserve.engine", "refserve.output_processor", "refserve.prompt_logprobs")),
+    ("engine", ("refserve.engine", "refserve.engine_setup", "refserve.request_intake",
+                "refserve.output_processor", "refserve.prompt_logprobs")),
     ("llm, entrypoints, CLIs, bench, simulator", (
         "refserve", "refserve.__main__", "refserve.llm", "refserve.entrypoints",
         "refserve.generate", "refserve.serve", "refserve.bench", "refserve.capacity_cli",
