@@ -3,6 +3,7 @@
     BlockAllocator   fixed pool of physical blocks, O(1) free queue, ref counts
     BlockTable       one sequence's logical -> physical block map, slot arithmetic
     PrefixCache      hash chain of full blocks, so equal prefixes share blocks
+    HashPolicy       the hash chain behind the manager (RadixPolicy: the radix tree)
     KVCacheManager   what the scheduler talks to (allocate, copy-on-write, fork, free)
 
 The names are imported on first use rather than here, so that each module's demo

@@ -2,10 +2,13 @@
 
 It owns the `BlockAllocator` (physical blocks and ref counts), one `BlockTable` per live
 sequence, and the prefix-caching policy: the `PrefixCache` hash chain ("hash", vLLM's, the
-default) or the radix tree ("radix", SGLang's; radix_policy.py). Both give the same
-interface and metrics; only where the hits come from and which block is evicted differ. The
-backend never sees any of this: it only receives
-`slot_mapping`, `block_tables` and the copy-on-write pairs.
+default; hash_policy.py) or the radix tree ("radix", SGLang's; radix_policy.py). Both
+policies answer the same questions (lookup, revive_cost, attach, fork, cache_full_blocks,
+trim, release, take_block, the held / evictable / free counts, check_invariants), so this
+class never asks which one it has; only where the hits come from and which block is evicted
+differ. The plan of an allocation (new blocks, copy-on-write, blocks needed) is
+allocation_plan.py. The backend never sees any of this: it only receives `slot_mapping`,
+`block_tables` and the copy-on-write pairs.
 
 Who advances what. The manager only *reads* `seq.num_computed_tokens` and `seq.token_ids`;
 it never writes to a Sequence. The scheduler, after `allocate_slots`, advances
@@ -54,10 +57,12 @@ from typing import TYPE_CHECKING
 
 from refserve.capacity import blocks_for_tokens
 from refserve.config import PREFIX_CACHING_POLICIES
+from refserve.kv_cache.allocation_plan import AllocationPlan, plan_allocation
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
 from refserve.kv_cache.block_table import BlockTable
+from refserve.kv_cache.hash_policy import HashPolicy
 from refserve.kv_cache.host_pool import HostBlockPool
-from refserve.kv_cache.prefix_cache import BlockKey, PrefixCache
+from refserve.kv_cache.prefix_cache import PrefixCache
 from refserve.kv_cache.radix_policy import RadixPolicy
 
 if TYPE_CHECKING:
@@ -81,13 +86,13 @@ class KVCacheManager:
         self.prefix_caching_policy = prefix_caching_policy
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache = PrefixCache()  # the hash chain (stays empty under "radix")
-        # The radix tree, when it is the policy (None: the hash chain, or caching is off).
-        self._radix = (RadixPolicy(block_size, self.allocator)
-                       if enable_prefix_caching and prefix_caching_policy == "radix" else None)
+        # Who finds the hits and evicts: the radix tree, or the hash chain (also with
+        # caching off: nothing is inserted then, so every block is plain held or free).
+        self._policy: HashPolicy | RadixPolicy = (
+            RadixPolicy(block_size, self.allocator)
+            if enable_prefix_caching and prefix_caching_policy == "radix"
+            else HashPolicy(block_size, self.allocator, self.prefix_cache))
         self._tables: dict[int, BlockTable] = {}
-        # Keys of each sequence's leading full blocks hashed so far (len = blocks hashed).
-        # The next key chains on the last one, so hashing a sequence is O(new blocks).
-        self._block_keys: dict[int, list[BlockKey]] = {}
         # Prefix-cache hit rate, counted in tokens. A sequence is counted when it gets its
         # first blocks (its admission): queried += its num_tokens, hit += tokens found in
         # the cache. A sequence preempted (recompute) and readmitted is counted again: it
@@ -95,9 +100,8 @@ class KVCacheManager:
         # Nothing is counted when prefix caching is disabled.
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
-        self._num_evictable = 0  # available blocks that are cached (kept exact, O(1))
         # The most blocks held at once, since start-up and since the last `reset_peak` (one
-        # generate() call). Held blocks only grow inside allocate_slots, so it is exact.
+        # generate() call). Held blocks only grow in allocate_slots and swap_in: exact.
         self.num_held_blocks_peak = 0
         self.num_held_blocks_peak_since_reset = 0
         self.num_evictions = 0  # cached blocks whose KV was dropped to reuse the block
@@ -108,20 +112,17 @@ class KVCacheManager:
     def num_held_blocks(self) -> int:
         """Blocks some block table holds (hash: ref count > 0; radix: the tree's own
         reference on an evictable block does not count)."""
-        return self.allocator.num_held_blocks - (self._radix.num_evictable_blocks
-                                                 if self._radix else 0)
+        return self._policy.num_held_blocks
 
     @property
     def num_evictable_blocks(self) -> int:
         """Blocks no table holds whose KV is still cached: a prefix hit can revive them."""
-        return self._radix.num_evictable_blocks if self._radix else self._num_evictable
+        return self._policy.num_evictable_blocks
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no table holds and the cache does not need."""
-        if self._radix:
-            return self.allocator.num_available_blocks
-        return self.allocator.num_available_blocks - self._num_evictable
+        return self._policy.num_free_blocks
 
     @property
     def num_available_blocks(self) -> int:
@@ -132,22 +133,18 @@ class KVCacheManager:
     def radix_tree(self):
         """The RadixCache under prefix_caching_policy="radix" (to print or draw it with
         radix_draw.draw_radix_tree); None under "hash" or with caching off."""
-        return self._radix.tree if self._radix else None
+        return self._policy.tree if isinstance(self._policy, RadixPolicy) else None
 
     def cached_blocks(self) -> dict[int, tuple[int, ...]]:
         """Every cached block (held or evictable) -> the tokens whose KV it holds."""
-        if self._radix:
-            return self._radix.cached_blocks()
-        return {block: key.tokens for block, key in self.prefix_cache.cached_blocks().items()}
+        return self._policy.cached_blocks()
 
     def prefix_match_length(self, seq: Sequence) -> int:
         """Tokens of seq a lookup would hit now, changing nothing (what the lpm scheduling
         policy sorts by); 0 when caching is off."""
         if not self.enable_prefix_caching:
             return 0
-        if self._radix:
-            return self._radix.match_length(seq.token_ids)
-        return len(self._hash_lookup(seq)) * self.block_size
+        return self._policy.match_length(seq.token_ids)
 
     def usage(self) -> float:
         """Fraction of the pool held by some sequence (evictable blocks are not held)."""
@@ -180,68 +177,17 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or seq.seq_id in self._tables:
             return [], 0
-        if self._radix:
-            blocks = self._radix.lookup(seq.token_ids)
-            return blocks, len(blocks) * self.block_size
-        blocks = self._hash_lookup(seq)
+        blocks = self._policy.lookup(seq.token_ids)
         return blocks, len(blocks) * self.block_size
-
-    def _hash_lookup(self, seq: Sequence) -> list[int]:
-        """The hash chain's hit blocks for seq (get_computed_blocks' rule); touches nothing."""
-        # BEGIN EXERCISE prefix_cache_lookup: chained keys of full blocks to the first miss
-        bs = self.block_size
-        max_hit_blocks = max(0, seq.num_tokens - 1) // bs
-        blocks: list[int] = []
-        parent: BlockKey | None = None
-        for i in range(max_hit_blocks):
-            key = BlockKey(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-            block_id = self.prefix_cache.lookup(key)
-            if block_id is None:
-                break
-            blocks.append(block_id)
-            # Chain on the stored key object: later equality checks stop at it at once.
-            parent = self.prefix_cache.key_of(block_id)
-        return blocks
-        # END EXERCISE
 
     # ---- allocation ----------------------------------------------------------------------
 
-    def _plan(self, seq: Sequence, num_new_tokens: int, computed_blocks: SequenceOf[int]
-              ) -> tuple[list[int], int, int, list[int], int]:
-        """What allocate_slots would do, without doing it.
-
-        Returns (blocks to attach, first position written, end position, logical blocks
-        needing copy-on-write, free blocks needed).
-        """
-        if seq.seq_id is None:
-            raise ValueError(f"{seq} has no seq_id: queue it with Scheduler.add_sequence, or "
-                             "give Sequence(..., seq_id=...) when using the manager alone")
-        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens={num_new_tokens!r}: must be an integer >= 0")
-        table = self._tables.get(seq.seq_id)
-        if table is None:
-            attach = list(computed_blocks)
-            if attach:
-                self._check_computed_blocks(seq, attach)
-            held = attach
-        else:
-            attach = []  # computed blocks are attached on the first call only
-            held = table  # len() and [i] only: no copy of a long table, twice a step
-        start = seq.num_computed_tokens + len(attach) * self.block_size
-        end = start + num_new_tokens
-        blocks_after = blocks_for_tokens(end, self.block_size)
-        num_new_blocks = max(0, blocks_after - len(held))
-
-        # Existing blocks that positions [start, end) write into and someone else also
-        # holds: each needs a private copy first. (New blocks are private already.)
-        written = range(start // self.block_size, blocks_after) if end > start else range(0)
-        cow = [logical for logical in written
-               if logical < len(held) and self.allocator.ref_count(held[logical]) > 1]
-        # Reviving an evictable hit block takes it out of the available blocks: it is
-        # counted in num_available_blocks, so it must be paid for here.
-        revived = (self._radix.revive_cost(attach) if self._radix else
-                   sum(1 for block_id in attach if self.allocator.ref_count(block_id) == 0))
-        return attach, start, end, cow, revived + num_new_blocks + len(cow)
+    def _plan(self, seq: Sequence, num_new_tokens: int,
+              computed_blocks: SequenceOf[int]) -> AllocationPlan:
+        """What allocate_slots would do, without doing it (allocation_plan.py)."""
+        return plan_allocation(seq, num_new_tokens, computed_blocks,
+                               self._tables.get(seq.seq_id), self.block_size,
+                               self.allocator, self._policy)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int,
                      computed_blocks: SequenceOf[int] = ()) -> bool:
@@ -275,15 +221,8 @@ class KVCacheManager:
         table = self._tables.get(seq.seq_id)
         if table is None:
             table = self._tables[seq.seq_id] = BlockTable(self.block_size)
-            self._block_keys[seq.seq_id] = []
-            if self._radix:
-                self._radix.attach(seq.seq_id, attach)  # increfs, locks their node
+            self._policy.attach(seq.seq_id, attach)  # increfs (radix: locks their node)
             for block_id in attach:
-                if not self._radix:
-                    if self.allocator.ref_count(block_id) == 0:
-                        self._num_evictable -= 1  # revived: evictable -> held
-                    self.allocator.incref(block_id)
-                    self._block_keys[seq.seq_id].append(self.prefix_cache.key_of(block_id))
                 table.append(block_id)
             if self.enable_prefix_caching:
                 self.prefix_cache_queried_tokens += seq.num_tokens
@@ -301,65 +240,30 @@ class KVCacheManager:
         # Writes never reach a hashed block: hashed blocks hold only computed positions
         # (cache_full_blocks), and speculative rollback un-computes only positions past
         # the last accepted token, which no hashed block holds.
-        assert end <= start or start >= self._num_cached(seq.seq_id) * self.block_size, (
+        num_cached = self._policy.num_inserted(seq.seq_id)
+        assert end <= start or start >= num_cached * self.block_size, (
             f"sequence {seq.seq_id} writes position {start} inside its hashed blocks")
 
         for _ in range(table.num_new_blocks(end)):
             table.append(self._take_block())
+        self._record_peak()
+        return copies
+
+    def _record_peak(self) -> None:
+        """After held blocks grew (allocate_slots, swap_in: the only places they do)."""
         held = self.num_held_blocks
         self.num_held_blocks_peak = max(self.num_held_blocks_peak, held)
         self.num_held_blocks_peak_since_reset = max(self.num_held_blocks_peak_since_reset,
                                                     held)
-        return copies
-
-    def _num_cached(self, seq_id: int) -> int:
-        """The sequence's leading blocks given to the prefix cache so far."""
-        if self._radix:
-            return self._radix.num_inserted(seq_id)
-        return len(self._block_keys[seq_id])
 
     def _take_block(self) -> int:
-        """Allocate from the head of the available queue; if that block was an evictable
-        cached block, this is where it is evicted (least recently released first). Radix:
-        a free block first, else the tree evicts its least recently used unlocked leaf."""
-        if self._radix:
-            block_id, evicted = self._radix.take_block()
-            self.num_evictions += evicted
-            return block_id
-        block_id = self.allocator.allocate()
-        if self.prefix_cache.is_cached(block_id):
-            self.prefix_cache.evict(block_id)
-            self._num_evictable -= 1
-            self.num_evictions += 1
+        """Allocate a block (the policy's choice); if a cached block had to be evicted for
+        it, count the eviction. Hash: the head of the available queue, least recently
+        released first; radix: a free block first, else the least recently used unlocked
+        leaf's block."""
+        block_id, evicted = self._policy.take_block()
+        self.num_evictions += evicted
         return block_id
-
-    def _check_computed_blocks(self, seq: Sequence, blocks: list[int]) -> None:
-        """computed_blocks must still be what get_computed_blocks found: another sequence's
-        allocation in between may have evicted and reused one of them."""
-        if seq.num_computed_tokens != 0:
-            raise ValueError(
-                f"sequence {seq.seq_id}: computed_blocks given but num_computed_tokens is "
-                f"{seq.num_computed_tokens}, not 0")
-        bs = self.block_size
-        if len(blocks) * bs > max(0, seq.num_tokens - 1):
-            raise ValueError(f"sequence {seq.seq_id}: computed_blocks cover the last token")
-        if self._radix:
-            if not self._radix.still_cached(seq.token_ids, blocks):
-                raise ValueError(
-                    f"sequence {seq.seq_id}: computed blocks {blocks} are no longer the "
-                    "radix tree's path for these tokens; call get_computed_blocks again "
-                    "right before allocate_slots")
-            return
-        parent = None
-        for i, block_id in enumerate(blocks):
-            key = self.prefix_cache.key_of(block_id)
-            if (key is None or key.parent != parent
-                    or key.tokens != tuple(seq.token_ids[i * bs:(i + 1) * bs])):
-                raise ValueError(
-                    f"sequence {seq.seq_id}: computed block {block_id} (logical {i}) is no "
-                    f"longer cached for these tokens; call get_computed_blocks again right "
-                    f"before allocate_slots")
-            parent = key
 
     # ---- sharing and release -------------------------------------------------------------
 
@@ -374,9 +278,7 @@ class KVCacheManager:
         for block_id in parent_table:
             self.allocator.incref(block_id)
         self._tables[child_seq.seq_id] = parent_table.copy()
-        self._block_keys[child_seq.seq_id] = list(self._block_keys[parent_seq.seq_id])
-        if self._radix:
-            self._radix.fork(parent_seq.seq_id, child_seq.seq_id)
+        self._policy.fork(parent_seq.seq_id, child_seq.seq_id)
 
     def release(self, seq: Sequence) -> None:
         """Give back the sequence's blocks (finished, aborted or preempted): each loses one
@@ -388,16 +290,8 @@ class KVCacheManager:
         so they are reused before any cached block is evicted.
         """
         table = self._tables.pop(seq.seq_id, None)
-        self._block_keys.pop(seq.seq_id, None)
-        if table is None:
-            return
-        if self._radix:
-            self._radix.release(seq.seq_id, table.block_ids)
-            return
-        for block_id in reversed(table.block_ids):
-            cached = self.prefix_cache.is_cached(block_id)
-            if self.allocator.decref(block_id, to_front=not cached) and cached:
-                self._num_evictable += 1  # held -> evictable
+        if table is not None:
+            self._policy.release(seq.seq_id, table.block_ids)
 
     def swap_in(self, seq: Sequence, host_pool: HostBlockPool) -> list[tuple[int, int]]:
         """Swap preemption, resuming: give a swapped-out sequence (no device blocks) fresh
@@ -417,13 +311,8 @@ class KVCacheManager:
         table = self._tables[seq.seq_id] = BlockTable(self.block_size)
         for block_id in back.tables[seq.seq_id]:
             table.append(block_id)
-        self._block_keys[seq.seq_id] = []
-        if self._radix:
-            self._radix.attach(seq.seq_id, [])
-        held = self.num_held_blocks
-        self.num_held_blocks_peak = max(self.num_held_blocks_peak, held)
-        self.num_held_blocks_peak_since_reset = max(self.num_held_blocks_peak_since_reset,
-                                                    held)
+        self._policy.attach(seq.seq_id, [])
+        self._record_peak()
         return back.copies
 
     def trim(self, seq: Sequence, num_tokens: int) -> list[int]:
@@ -448,14 +337,9 @@ class KVCacheManager:
             return []
         dropped = table.block_ids[keep:]
         self._tables[seq.seq_id] = BlockTable(self.block_size, table.array[:keep])
+        self._policy.trim(seq.seq_id, keep, dropped)  # checks none of them is cached
         for block_id in reversed(dropped):  # tail first
-            assert (self.allocator.ref_count(block_id) > 1
-                    or not self.prefix_cache.is_cached(block_id)), \
-                f"block {block_id} is cached but holds no computed position of {seq.seq_id}"
-            assert not (self._radix and self._radix.tree.is_cached(block_id)), \
-                f"block {block_id} is cached but holds no computed position of {seq.seq_id}"
             self.allocator.decref(block_id, to_front=True)
-        del self._block_keys[seq.seq_id][keep:]
         return dropped
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -469,26 +353,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         table = self._table(seq.seq_id)
-        keys = self._block_keys[seq.seq_id]
-        bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(table))
-        if self._radix:
-            swaps = self._radix.cache_full_blocks(seq.seq_id, seq.token_ids,
-                                                  table.block_ids, num_full)
-            for logical, tree_block in swaps:  # duplicates of the tree's KV: use the tree's
-                self.allocator.decref(table.replace(logical, tree_block), to_front=True)
-            return
-        for i in range(len(keys), num_full):
-            parent = keys[-1] if keys else None
-            key = BlockKey(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-            block_id = table[i]
-            existing = self.prefix_cache.key_of(block_id)
-            if existing is not None:
-                # Already cached (a block shared with a sibling that hashed it first).
-                keys.append(existing)
-            else:
-                # If another block already holds this prefix, insert keeps that one.
-                keys.append(self.prefix_cache.insert(key, block_id))
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # The table itself, not a copy: the hash chain reads only its new blocks.
+        swaps = self._policy.cache_full_blocks(seq.seq_id, seq.token_ids, table, num_full)
+        for logical, tree_block in swaps:  # radix: duplicates of the tree's KV: use the tree's
+            self.allocator.decref(table.replace(logical, tree_block), to_front=True)
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -502,29 +371,17 @@ class KVCacheManager:
         """Raise AssertionError if the allocator, the block tables and the prefix cache
         disagree (see the module docstring)."""
         self.allocator.check_invariants()
-        self.prefix_cache.check_invariants()
         holders = [0] * self.num_blocks
         for seq_id, table in self._tables.items():
             if len(set(table.block_ids)) != len(table):
                 raise AssertionError(f"sequence {seq_id} holds a block twice: {table}")
             for block_id in table:
                 holders[block_id] += 1
-            if len(self._block_keys[seq_id]) > len(table):
-                raise AssertionError(f"sequence {seq_id} has more hashed blocks than blocks")
-        if self._radix:
-            self._radix.check_invariants(holders)
-        for block_id, count in enumerate(holders if not self._radix else ()):
-            if self.allocator.ref_count(block_id) != count:
-                raise AssertionError(
-                    f"block {block_id}: ref count {self.allocator.ref_count(block_id)} but "
-                    f"held by {count} block tables")
+            if self._policy.num_inserted(seq_id) > len(table):
+                raise AssertionError(f"sequence {seq_id} has more cached blocks than blocks")
+        self._policy.check_invariants(holders)
         if not self.enable_prefix_caching and len(self.prefix_cache):
             raise AssertionError("prefix caching is disabled but blocks are cached")
-        evictable = sum(1 for b in self.allocator.available_block_ids()
-                        if self.prefix_cache.is_cached(b))
-        if evictable != self._num_evictable:
-            raise AssertionError(f"{evictable} evictable blocks, but counted "
-                                 f"{self._num_evictable}")
         if self.num_held_blocks > self.num_held_blocks_peak:
             raise AssertionError("more blocks held than the recorded peak")
 

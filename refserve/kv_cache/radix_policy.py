@@ -59,6 +59,16 @@ class RadixPolicy:
     def num_evictable_blocks(self) -> int:
         return self.tree.num_evictable_blocks
 
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks some table holds: the tree's own reference on an evictable block does
+        not count."""
+        return self.allocator.num_held_blocks - self.tree.num_evictable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_available_blocks
+
     def num_inserted(self, seq_id: int) -> int:
         return self._num_inserted.get(seq_id, 0)
 
@@ -130,6 +140,7 @@ class RadixPolicy:
         reference) and drops its own (decref_duplicate)."""
         if num_full <= self._num_inserted[seq_id]:
             return []
+        block_ids = list(block_ids)  # a BlockTable, or any sequence: sliced below
         done = self.tree.insert(token_ids[:num_full * self.block_size], block_ids[:num_full])
         self.tree.lock(done.node)
         self.tree.unlock(self._locked[seq_id])
@@ -140,6 +151,14 @@ class RadixPolicy:
         for _, tree_block in swaps:
             self.allocator.incref(tree_block)  # locked by this sequence: protected already
         return swaps
+
+    def trim(self, seq_id: int, keep: int, dropped: SequenceOf[int]) -> None:
+        """The sequence keeps only its first `keep` blocks (speculative rollback); the
+        manager then decrefs `dropped`. Inserted blocks hold computed positions only, which
+        a trim keeps: none of `dropped` is in the tree, and nothing is to undo."""
+        for block_id in dropped:
+            assert not self.tree.is_cached(block_id), \
+                f"block {block_id} is cached but holds no computed position of {seq_id}"
 
     def release(self, seq_id: int, block_ids: SequenceOf[int]) -> None:
         """The sequence lets go: one reference per block (tail first), then its lock."""

@@ -6,6 +6,9 @@
     continuous.py  Scheduler: continuous (iteration-level) batching, ADMIT every step
     static.py      StaticScheduler: request-level batching, for comparison
     policy.py      scheduling_policy: fcfs / lpm / priority admission order, the victim
+    row_plan.py    a row's tokens under the budget (hits, chunk, drafts) and its logits
+    step_retry.py  the copies of a step that was never applied, carried into the next
+    swapping.py    preemption_mode="swap": victims' KV to the host pool and back
     fits.py        could a request ever run? (checked before it is queued)
     stop_rules.py  when a sequence stops, decided token by token as update() appends
     drafts.py      a draft token's life (speculative decoding): propose, trim, verify, roll back

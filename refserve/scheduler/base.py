@@ -46,7 +46,7 @@ from collections.abc import Mapping
 
 from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.scheduler.drafts import Proposal, count_verified, drafts_that_fit, roll_back
+from refserve.scheduler.drafts import Proposal, count_verified, roll_back
 from refserve.scheduler.fits import check_fits
 from refserve.scheduler.output import (
     SampledTokens,
@@ -55,6 +55,8 @@ from refserve.scheduler.output import (
     StepUpdate,
 )
 from refserve.scheduler.policy import SchedulingPolicy, make_policy
+from refserve.scheduler.row_plan import RowPlan, num_logits, plan_row
+from refserve.scheduler.step_retry import carry_over, last_per_destination
 from refserve.scheduler.stop_rules import append_tokens
 from refserve.scheduler.swapping import PREEMPTION_MODES, Swapper
 from refserve.sequence import Sequence, SequenceStatus
@@ -262,16 +264,8 @@ class SchedulerBase:
                              "the last schedule() or was already applied")
         if not isinstance(sampled, SampledTokens):
             sampled = SampledTokens(token_ids=dict(sampled))
+        sampled.check_covers(output)
         token_ids = dict(sampled.token_ids)
-        for seq_id, tokens in [*token_ids.items(), *sampled.fork_token_ids.items()]:
-            if not tokens:
-                raise ValueError(f"update(): sequence {seq_id} got an empty token list; a "
-                                 "sampling row appends at least one token")
-        for row in output.scheduled:
-            seq = row.seq
-            if (row.samples and not row.is_padding and seq.status is SequenceStatus.RUNNING
-                    and seq.seq_id not in token_ids):
-                raise KeyError(f"update(): no sampled token for sequence {seq.seq_id}")
         # Checked: from here on the step is applied.
         result = StepUpdate()
         for parent_id, child_tokens in sampled.fork_token_ids.items():
@@ -318,26 +312,10 @@ class SchedulerBase:
     def _begin_step(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self.num_steps)
         if self._pending is not None:
-            # The last step was never applied (its forward or sampling failed): nothing was
-            # computed, every sequence keeps its blocks, and this step schedules the same
-            # work again. Its copy-on-write copies may not have run, so they are carried
-            # over -- but only while their destination is still held: a request aborted
-            # since then returned its private copy to the free queue, and a later
-            # copy-on-write may take that block again (copying into it twice would both be
-            # wrong and trip the "distinct destinations" rule of copy_blocks). Running a
-            # still-valid copy twice is harmless: no forward wrote to either block since.
-            allocator = self.kv_cache_manager.allocator
-            out.block_copies.extend(
-                (src, dst) for src, dst in self._pending.block_copies
-                if allocator.ref_count(dst) > 0)
-            # Swap copies likewise, while their destination is still held: a host block
-            # by a host table, a device block by a block table.
-            if self.swapper is not None:
-                host = self.swapper.host_pool
-                out.swap_out.extend((d, h) for d, h in self._pending.swap_out
-                                    if host.ref_count(h) > 0)
-                out.swap_in.extend((h, d) for h, d in self._pending.swap_in
-                                   if allocator.ref_count(d) > 0)
+            # The last step was never applied (its forward or sampling failed): this step
+            # schedules the same work again, with the copies that still stand (step_retry.py).
+            carry_over(self._pending, out, self.kv_cache_manager.allocator,
+                       self.swapper.host_pool if self.swapper is not None else None)
             self._pending = None
             self._riders = {}
         return out
@@ -347,8 +325,8 @@ class SchedulerBase:
         if self.swapper is not None:
             self.swapper.flush(out)  # this step's victims, in one swap_out
             # A carried copy whose destination this step reused is moot: the last wins.
-            out.swap_out[:] = _last_per_destination(out.swap_out)
-            out.swap_in[:] = _last_per_destination(out.swap_in)
+            out.swap_out[:] = last_per_destination(out.swap_out)
+            out.swap_in[:] = last_per_destination(out.swap_in)
         if not out.scheduled and self.has_unfinished():
             # Cannot happen while add_sequence keeps every prompt within the pool; fail
             # loudly rather than let a caller's `while has_unfinished()` spin forever.
@@ -420,28 +398,13 @@ class SchedulerBase:
         return self._schedule_row(seq, num_tokens, computed_blocks, out, verify)
 
     def _plan_row(self, seq: Sequence, budget: int, drafts: tuple[int, ...] = ()
-                  ) -> tuple[int, list[int], tuple[int, ...]]:
-        """How many tokens `seq` computes next under `budget`; on its first allocation
-        after (re)admission, the prefix-cache hit blocks it reuses; and which of `drafts`
-        it verifies (the ones that fit the budget, `drafts.drafts_that_fit`). Pure: changes
-        nothing.
-
-        Real tokens left = num_tokens - num_computed_tokens - hit tokens; the row computes
-        min(real tokens left, budget, long_prefill_token_threshold if set) of them, then the
-        drafts that fit.
-        """
-        kv = self.kv_cache_manager
-        computed_blocks: list[int] = []
-        hit_tokens = 0
-        if seq.seq_id not in self._holding and not self._is_swapped_out(seq):
-            computed_blocks, hit_tokens = kv.get_computed_blocks(seq)
-        real_left = seq.num_tokens - seq.num_computed_tokens - hit_tokens
-        if 0 < self.long_prefill_token_threshold < budget:
-            budget = self.long_prefill_token_threshold  # a long prefill leaves budget over
-        verify = drafts[:drafts_that_fit(len(drafts), real_left, budget)]
-        num_tokens = min(real_left, budget) + len(verify)
-        assert num_tokens >= 1, f"{seq} has nothing left to compute"
-        return num_tokens, computed_blocks, verify
+                  ) -> RowPlan:
+        """How many tokens `seq` computes next under `budget`, the prefix-cache hit blocks
+        it reuses (first allocation after (re)admission only) and the `drafts` it verifies
+        (row_plan.py). Pure: changes nothing."""
+        look_up = seq.seq_id not in self._holding and not self._is_swapped_out(seq)
+        return plan_row(seq, budget, drafts, self.kv_cache_manager, look_up=look_up,
+                        long_prefill_token_threshold=self.long_prefill_token_threshold)
 
     def _schedule_row(self, seq: Sequence, num_tokens: int, computed_blocks: list[int],
                       out: SchedulerOutput, drafts: tuple[int, ...] = ()) -> int:
@@ -462,13 +425,10 @@ class SchedulerBase:
                 seq.num_cached_tokens = hit_tokens
         start = seq.num_computed_tokens
         end = start + num_tokens
-        # Logits are needed for the positions at or after the last real token, once the
-        # row reaches the end of token_ids + its drafts.
-        total = seq.num_tokens + len(drafts)
-        num_logits = end - max(start, seq.num_tokens - 1) if end == total else 0
         out.block_copies.extend(copies)
         out.scheduled.append(ScheduledSequence(
-            seq, num_tokens, start, num_logits=num_logits,
+            seq, num_tokens, start, num_logits=num_logits(start, end, seq.num_tokens,
+                                                          len(drafts)),
             block_ids=kv.get_block_ids(seq.seq_id), draft_token_ids=tuple(drafts)))
         return num_tokens
 
@@ -528,8 +488,3 @@ class SchedulerBase:
             self._holding.discard(seq.seq_id)
             self.kv_cache_manager.release(seq)
 
-
-def _last_per_destination(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(src, dst) pairs keeping, for each dst, only its last copy (in their order)."""
-    last = {dst: i for i, (_, dst) in enumerate(pairs)}
-    return [pair for i, pair in enumerate(pairs) if last[pair[1]] == i]

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from refserve.sequence import SequenceStatus
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -178,6 +180,20 @@ class SampledTokens:
     fork_token_ids: dict[int, list[int]] = field(default_factory=dict)
     generators: dict[tuple[int, int], np.random.Generator] = field(default_factory=dict)
     logprobs: dict = field(default_factory=dict)
+
+    def check_covers(self, output: SchedulerOutput) -> None:
+        """Raise unless these tokens can apply to `output`: no empty token list (a sampling
+        row appends at least one token), and a token list for every running sequence of a
+        row that samples (padding rows and sequences aborted since schedule() need none)."""
+        for seq_id, tokens in [*self.token_ids.items(), *self.fork_token_ids.items()]:
+            if not tokens:
+                raise ValueError(f"update(): sequence {seq_id} got an empty token list; a "
+                                 "sampling row appends at least one token")
+        for row in output.scheduled:
+            seq = row.seq
+            if (row.samples and not row.is_padding and seq.status is SequenceStatus.RUNNING
+                    and seq.seq_id not in self.token_ids):
+                raise KeyError(f"update(): no sampled token for sequence {seq.seq_id}")
 
 
 @dataclass
