@@ -18,7 +18,8 @@ from refserve.entrypoints.cli_common import (
 SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
              "roofline", "loadtest", "sim-fidelity")
 # The scenarios that step an engine in this process: --trace records their timelines.
-TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity")
+TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
+          "sim-fidelity")
 
 
 class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):

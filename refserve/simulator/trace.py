@@ -208,10 +208,21 @@ class EngineTrace:
         """Trace `engine` (an LLMEngine, or an LLM: its llm_engine) from now on; returns
         what it was given."""
         target = getattr(engine, "llm_engine", engine)
-        recorder = TraceRecorder(0.0, label, len(self.recorders))
+        origin = 0.0 if self._origin is None else self._origin  # the file's one time axis
+        recorder = TraceRecorder(origin, label, len(self.recorders))
         self.recorders.append(recorder)
         target.observer = _Observer(self, recorder, target)
         return engine
+
+    def add_simulation(self, label: str, start: float) -> TraceRecorder:
+        """A recorder for a simulation (virtual clock from 0) drawn on this file's axis as
+        if it had started at perf_counter time `start`: a real run and its simulation side
+        by side (bench sim-fidelity)."""
+        origin = (start if self._origin is None else self._origin) - start
+        recorder = TraceRecorder(origin, label, len(self.recorders))
+        recorder._end = 0.0
+        self.recorders.append(recorder)
+        return recorder
 
     def write(self, path: Path) -> None:
         write_traces(path, self.recorders)
