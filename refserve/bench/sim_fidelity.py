@@ -336,6 +336,7 @@ def run(args) -> dict:
                     "max_relative_error": fitted.max_relative_error,
                     "efficiencies": {"flops": e.flops, "bandwidth": e.bandwidth,
                                      "attention": e.attention,
+                                     "kv_bandwidth": e.kv_bandwidth,
                                      "step_overhead_s": e.step_overhead_s,
                                      "row_overhead_s": e.row_overhead_s}},
             "rows": rows, "median_abs_error": median, "max_abs_error": worst,
