@@ -96,6 +96,19 @@ def test_two_engines_share_one_file_and_one_time_axis(tiny_folder, tmp_path):
     assert second[0]["ts"] >= first[-1]["ts"] + first[-1]["dur"]
 
 
+def test_a_request_added_before_the_trace_starts_when_first_seen(tiny_folder, tmp_path):
+    engine = LLMEngine(model=str(tiny_folder), block_size=4, progress=False,
+                       num_gpu_blocks_override=64)
+    engine.add_request("early", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    trace = EngineTrace()
+    trace.attach(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace.write(tmp_path / "t.json")
+    spans = spans_by_request(json.loads((tmp_path / "t.json").read_text()))["early"]
+    assert spans[0]["name"] == "prefill" and spans[-1]["name"] == "decode"
+
+
 def test_a_simulation_is_drawn_beside_its_real_run(tiny_folder, tmp_path):
     """add_simulation: the simulated requests' t = 0 is the real run's start on the file's
     axis, so a real run and its simulation line up (bench sim-fidelity --trace)."""

@@ -135,6 +135,9 @@ class TraceRecorder:
 
     # ---- reading it back ---------------------------------------------------------------
 
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._tracks
+
     def spans(self, request_id: str, with_args: bool = False) -> list[tuple]:
         """(state, start, end) of a request, in seconds (plus the span's args dict with
         `with_args`); an unfinished request's last span runs to the latest event."""
@@ -246,6 +249,10 @@ class _Observer:
         self.recorder.arrive(request_id, t)
 
     def step(self, t_start, t_end, out, update, outputs) -> None:
+        # A request added before the trace was attached starts its track when first seen.
+        for row in out.scheduled:
+            if not row.is_padding and not self.recorder.knows(row.seq.request_id):
+                self.arrive(row.seq.request_id, t_start)
         # KV blocks after the step (retired sequences' blocks already freed); the
         # simulator samples them before the retirements.
         self.recorder.step(t_start, t_end, out, kv_blocks_used=self.kv.num_held_blocks,
