@@ -86,7 +86,15 @@ def test_passage_has_exactly_the_asked_tokens(hf_tokenizer):
 
 @pytest.mark.slow
 def test_prefix_quick(tmp_path, smollm2_dir):
-    data = run_quick(tmp_path, "prefix")
+    trace = tmp_path / "prefix.trace.json"
+    data = run_quick(tmp_path, "prefix", "--trace", str(trace))
+    # --trace: both engines (caching on, off) in one Chrome trace-event file
+    doc = json.loads(trace.read_text())
+    names = {e["args"]["name"] for e in doc["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"engine: prefix caching on", "requests: prefix caching on",
+                     "engine: prefix caching off", "requests: prefix caching off"}
+    assert any(e["ph"] == "X" and e["name"] == "decode" for e in doc["traceEvents"])
     rows = {(r["workload"], r["prefix_caching"]): r for r in data["rows"]}
     assert len(rows) == 4
     for workload in ("shared system prompt", "multi-turn chat"):
