@@ -86,7 +86,16 @@ def test_passage_has_exactly_the_asked_tokens(hf_tokenizer):
 
 @pytest.mark.slow
 def test_prefix_quick(tmp_path, smollm2_dir):
-    data = run_quick(tmp_path, "prefix")
+    trace = tmp_path / "prefix.trace.json"
+    data = run_quick(tmp_path, "prefix", "--trace", str(trace))
+    # --trace: every engine of the run (4 workloads x 5 configurations) in one file
+    doc = json.loads(trace.read_text())
+    names = {e["args"]["name"] for e in doc["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert len(names) == 2 * 4 * 5
+    assert {"engine: few-shot: off", "requests: agent loop: radix + lpm, shuffled arrivals"
+            } <= names
+    assert any(e["ph"] == "X" and e["name"] == "decode" for e in doc["traceEvents"])
     rows = {(r["workload"], r["config"]): r for r in data["rows"]}
     assert len(rows) == 4 * 5
     for workload in ("few-shot", "multi-turn", "branches", "agent loop"):

@@ -88,8 +88,52 @@ def test_two_engines_share_one_file_and_one_time_axis(tiny_folder, tmp_path):
     doc = json.loads((tmp_path / "t.json").read_text())
     a, b = spans_by_request(doc, 1), spans_by_request(doc, 3)
     assert set(a) == {"x"} and set(b) == {"x", "x #1"}
-    # engine b ran after engine a on the shared clock
-    assert b["x #1"][0]["ts"] >= a["x"][-1]["ts"] + a["x"][-1]["dur"]
+    # engine b ran after engine a on the shared clock, which starts at a's first arrival
+    a_end = a["x"][-1]["ts"] + a["x"][-1]["dur"]
+    assert a["x"][0]["ts"] == 0.0
+    first, second = b["x #1"], b["x"]  # the earlier track of a reused id gets the "#1"
+    assert a_end <= first[0]["ts"] < a_end + 60e6
+    assert second[0]["ts"] >= first[-1]["ts"] + first[-1]["dur"]
+
+
+def test_a_request_added_before_the_trace_starts_when_first_seen(tiny_folder, tmp_path):
+    engine = LLMEngine(model=str(tiny_folder), block_size=4, progress=False,
+                       num_gpu_blocks_override=64)
+    engine.add_request("early", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    trace = EngineTrace()
+    trace.attach(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace.write(tmp_path / "t.json")
+    spans = spans_by_request(json.loads((tmp_path / "t.json").read_text()))["early"]
+    assert spans[0]["name"] == "prefill" and spans[-1]["name"] == "decode"
+
+
+def test_a_simulation_is_drawn_beside_its_real_run(tiny_folder, tmp_path):
+    """add_simulation: the simulated requests' t = 0 is the real run's start on the file's
+    axis, so a real run and its simulation line up (bench sim-fidelity --trace)."""
+    import time
+
+    from refserve.simulator import SimRequest, SimulatedEngine, load_gpu, load_model
+
+    trace = EngineTrace()
+    engine = trace.attach(LLMEngine(model=str(tiny_folder), block_size=4, progress=False,
+                                    num_gpu_blocks_override=64), "real")
+    start = time.perf_counter() - 0.5  # the run started 0.5 s ago; its request comes now
+    engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True),
+                       arrival_time=start + 0.5)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+    sim = SimulatedEngine(load_model(str(tiny_folder)), load_gpu("h100-80gb"),
+                          dtype="float32", block_size=4, num_gpu_blocks_override=64)
+    sim.run([SimRequest("x", 0.5, [1, 2, 3], list(out.outputs[0].token_ids))],
+            recorder=trace.add_simulation("simulated", start))
+    trace.write(tmp_path / "t.json")
+    doc = json.loads((tmp_path / "t.json").read_text())
+    real, simulated = spans_by_request(doc, 1)["x"], spans_by_request(doc, 3)["x"]
+    assert real[0]["ts"] == pytest.approx(0.0) and simulated[0]["ts"] == pytest.approx(0.0)
 
 
 def test_generate_trace_flag_writes_the_timeline(tiny_folder, tmp_path, capsys):

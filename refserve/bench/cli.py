@@ -19,7 +19,7 @@ SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capaci
              "roofline", "loadtest", "sim-fidelity", "preemption")
 # The scenarios that step an engine in this process: --trace records their timelines.
 TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
-          "preemption")
+          "preemption", "sim-fidelity")
 
 
 class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):

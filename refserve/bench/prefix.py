@@ -57,7 +57,8 @@ def pool_blocks(workload, args) -> int:
     return max(one + 1, int(args.pool_fraction * distinct)), longest
 
 
-def _engine(args, workload, caching: bool, policy: str, scheduling: str = "fcfs"):
+def _engine(args, workload, caching: bool, policy: str, scheduling: str = "fcfs",
+            label: str = ""):
     from refserve.engine import LLMEngine
 
     blocks, longest = pool_blocks(workload, args)
@@ -66,8 +67,7 @@ def _engine(args, workload, caching: bool, policy: str, scheduling: str = "fcfs"
                        block_size=args.block_size, num_gpu_blocks_override=blocks,
                        max_model_len=blocks_for_tokens(longest, args.block_size)
                        * args.block_size, max_num_seqs=args.max_num_seqs)
-    label = f"{workload.name}: {policy if caching else 'off'} + {scheduling}"
-    return traced(args, engine, label)
+    return traced(args, engine, f"{workload.name}: {label}")  # --trace: one track each
 
 
 def _params(args) -> SamplingParams:
@@ -110,7 +110,7 @@ def run(args) -> dict:
     for name in WORKLOADS:
         workload = make_branching(name, args.scale, args.seed, vocab)
         for config, caching, policy in POLICIES:
-            engine = _engine(args, workload, caching, policy)
+            engine = _engine(args, workload, caching, policy, label=config)
             _warm(engine)
             t0, outs = time.perf_counter(), []
             for prompt in workload.prompts:  # one at a time: later ones find earlier ones
@@ -122,7 +122,8 @@ def run(args) -> dict:
                                        for p, o in zip(workload.prompts, outs)}
         arrivals = shuffled(workload.prompts, args.seed)
         for scheduling in ("fcfs", "lpm"):
-            engine = _engine(args, workload, True, "radix", scheduling)
+            engine = _engine(args, workload, True, "radix", scheduling,
+                             label=f"radix + {scheduling}, shuffled arrivals")
             _warm(engine)
             t0 = time.perf_counter()
             ids = [engine.add_request(None, p, _params(args)) for p in arrivals]

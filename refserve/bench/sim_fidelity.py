@@ -29,8 +29,9 @@
 Timings on a shared machine are noisy, and the fit is measured once, before the tests: when
 other processes load the machine more (or less) during a test than during the fit, the
 errors show it. The load average (`uptime`) is printed at the start and after each
-workload. The fitted efficiencies are printed too: on a GPU
-(scripts/gpu_check.sh) they are what a profile in gpus.toml should be corrected to.
+workload. `--trace FILE` draws each real run and its simulation side by side (Perfetto).
+The fitted efficiencies are printed too: on a GPU (scripts/gpu_check.sh) they are what a
+profile in gpus.toml should be corrected to.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refserve.bench.common import print_table, pyplot, save_figure
+from refserve.bench.common import print_table, pyplot, save_figure, traced
 from refserve.bench.workloads import make_workload, poisson_arrivals
 from refserve.metrics import summarize
 from refserve.sampling import SamplingParams
@@ -112,6 +113,7 @@ class Run:
     elapsed: float         # first arrival to last finish, seconds
     cpu_share: float       # CPU seconds this process got per second of wall time, idle
                            # waits left out (1.0: nobody else took the core)
+    start: float           # perf_counter time of t = 0 (arrivals are relative to it)
 
 
 def drive(engine, requests: list[Request]) -> Run:
@@ -140,7 +142,7 @@ def drive(engine, requests: list[Request]) -> Run:
     busy = time.perf_counter() - t0 - slept
     start = t0 + pending[0].arrival
     return Run(finished, max(o.metrics.finish_time for o in finished.values()) - start,
-               (time.process_time() - cpu0) / busy if busy > 0 else 1.0)
+               (time.process_time() - cpu0) / busy if busy > 0 else 1.0, t0)
 
 
 def _tokens(rng, n: int, vocab: int) -> list[int]:
@@ -229,7 +231,7 @@ def robust_fit(cost_model, samples, rounds: int = 2):
     return result, len(samples) - len(kept)
 
 
-def simulate(engine, cost_model, requests: list[Request], outputs: dict):
+def simulate(engine, cost_model, requests: list[Request], outputs: dict, recorder=None):
     """The same requests on the simulator: the real engine's pool, config and tokens."""
     from refserve.config import EngineConfig
     from refserve.simulator import SimRequest, SimulatedEngine
@@ -244,7 +246,7 @@ def simulate(engine, cost_model, requests: list[Request], outputs: dict):
     sim = SimulatedEngine(cost_model.model, cost_model.gpu, config, cost_model=cost_model)
     reqs = [SimRequest(r.request_id, r.arrival, r.prompt,
                        list(outputs[r.request_id].outputs[0].token_ids)) for r in requests]
-    return sim.run(reqs).summary
+    return sim.run(reqs, recorder=recorder).summary
 
 
 def run(args) -> dict:
@@ -279,11 +281,13 @@ def run(args) -> dict:
     del engine
     rows = []
     for name, (config, requests) in workloads_to_test(args.scale, vocab, args.seed).items():
-        engine = make_engine(args, None, **config)
+        engine = traced(args, make_engine(args, None, **config), f"real: {name}")
         run_ = drive(engine, requests)
         outputs = run_.outputs
         real = summarize([o.metrics for o in outputs.values()], run_.elapsed, {})
-        sim = simulate(engine, cm, requests, outputs)
+        tracer = getattr(args, "tracer", None)
+        sim = simulate(engine, cm, requests, outputs, None if tracer is None else
+                       tracer.add_simulation(f"simulated: {name}", run_.start))
         sim_cpu = simulate(engine, _Scaled(cpu_fit.cost_model, run_.cpu_share), requests,
                            outputs)
         row = {"workload": name, "requests": len(requests), "steps": sim.num_steps,
@@ -332,6 +336,7 @@ def run(args) -> dict:
                     "max_relative_error": fitted.max_relative_error,
                     "efficiencies": {"flops": e.flops, "bandwidth": e.bandwidth,
                                      "attention": e.attention,
+                                     "kv_bandwidth": e.kv_bandwidth,
                                      "step_overhead_s": e.step_overhead_s,
                                      "row_overhead_s": e.row_overhead_s}},
             "rows": rows, "median_abs_error": median, "max_abs_error": worst,

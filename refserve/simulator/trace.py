@@ -135,6 +135,9 @@ class TraceRecorder:
 
     # ---- reading it back ---------------------------------------------------------------
 
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._tracks
+
     def spans(self, request_id: str, with_args: bool = False) -> list[tuple]:
         """(state, start, end) of a request, in seconds (plus the span's args dict with
         `with_args`); an unfinished request's last span runs to the latest event."""
@@ -208,10 +211,21 @@ class EngineTrace:
         """Trace `engine` (an LLMEngine, or an LLM: its llm_engine) from now on; returns
         what it was given."""
         target = getattr(engine, "llm_engine", engine)
-        recorder = TraceRecorder(0.0, label, len(self.recorders))
+        origin = 0.0 if self._origin is None else self._origin  # the file's one time axis
+        recorder = TraceRecorder(origin, label, len(self.recorders))
         self.recorders.append(recorder)
         target.observer = _Observer(self, recorder, target)
         return engine
+
+    def add_simulation(self, label: str, start: float) -> TraceRecorder:
+        """A recorder for a simulation (virtual clock from 0) drawn on this file's axis as
+        if it had started at perf_counter time `start`: a real run and its simulation side
+        by side (bench sim-fidelity)."""
+        origin = (start if self._origin is None else self._origin) - start
+        recorder = TraceRecorder(origin, label, len(self.recorders))
+        recorder._end = 0.0
+        self.recorders.append(recorder)
+        return recorder
 
     def write(self, path: Path) -> None:
         write_traces(path, self.recorders)
@@ -235,6 +249,10 @@ class _Observer:
         self.recorder.arrive(request_id, t)
 
     def step(self, t_start, t_end, out, update, outputs) -> None:
+        # A request added before the trace was attached starts its track when first seen.
+        for row in out.scheduled:
+            if not row.is_padding and not self.recorder.knows(row.seq.request_id):
+                self.arrive(row.seq.request_id, t_start)
         # KV blocks after the step (retired sequences' blocks already freed); the
         # simulator samples them before the retirements.
         self.recorder.step(t_start, t_end, out, kv_blocks_used=self.kv.num_held_blocks,
