@@ -53,21 +53,21 @@ def test_a_short_request_behind_a_long_prompt_waits_only_for_its_chunks(long_tin
                       {o.request_id for o in outs}))
         return outs
 
-    def recording_add(request_id, prompt, params=None, arrival_time=None):
+    def recording_add(request_id, prompt, params=None, arrival_time=None, priority=0):
         long = [s for s in engine.scheduler.running if s.num_prompt_tokens == len(LONG)]
         left = long[0].num_prompt_tokens - long[0].num_computed_tokens if long else None
         added[len(prompt)] = (request_id, time.perf_counter(), left)
-        return add(request_id, prompt, params, arrival_time)
+        return add(request_id, prompt, params, arrival_time, priority)
 
     engine.scheduler.schedule, engine.step = recording_schedule, recording_step
     engine.add_request = recording_add
     s = ServerThread(engine)
     add_many = s.server.add_many
 
-    async def marking_add_many(requests, sink, arrival_time=None):
+    async def marking_add_many(requests, sink, arrival_time=None, priority=0):
         if any(len(prompt) == len(SHORT) for _, prompt, _ in requests):
             short_posted.set()  # the engine may step once more before it takes the request
-        await add_many(requests, sink, arrival_time)
+        await add_many(requests, sink, arrival_time, priority)
 
     s.server.add_many = marking_add_many
     try:

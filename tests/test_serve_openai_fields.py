@@ -258,3 +258,40 @@ def test_bad_vllm_fields_are_400_naming_the_field(served, body, param):
                    json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_priority_reaches_the_engine_and_is_refused_without_the_priority_policy(tiny_dir,
+                                                                              served):
+    # vLLM's extra field: lower runs first, only under scheduling_policy="priority".
+    from serve_utils import ServerThread
+
+    engine = make_engine(tiny_dir, scheduling_policy="priority")
+    seen = []
+    add = engine.add_request
+
+    def recording_add(*args, priority=0, **kw):
+        seen.append(priority)
+        return add(*args, priority=priority, **kw)
+
+    engine.add_request = recording_add
+    s = ServerThread(engine)
+    try:
+        for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                           ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": PROMPT}]})):
+            r = httpx.post(s.url + path, timeout=60, json={
+                "model": MODEL, "max_tokens": 2, "priority": -3, **body})
+            assert r.status_code == 200, r.text
+        assert seen == [-3, -3]
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200 and seen[-1] == 0          # the default
+    finally:
+        s.close()
+    # The fcfs server names the field: the policy must be asked for, and it is an integer.
+    for value, words in ((1, "scheduling_policy"), ("high", "integer")):
+        r = httpx.post(served.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 2, "priority": value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "priority" and words in err["message"], err

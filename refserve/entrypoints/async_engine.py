@@ -56,6 +56,7 @@ class _Add:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
+    priority: int = 0
 
 
 @dataclass
@@ -115,21 +116,25 @@ class AsyncEngine:
         return self._idle.wait(timeout)
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  sink: asyncio.Queue, arrival_time: float | None = None) -> None:
+                  sink: asyncio.Queue, arrival_time: float | None = None,
+                  priority: int = 0) -> None:
         """Queue one request; see `add_many`."""
-        await self.add_many([(request_id, prompt_token_ids, params)], sink, arrival_time)
+        await self.add_many([(request_id, prompt_token_ids, params)], sink, arrival_time,
+                            priority)
 
     async def add_many(self, requests: list[tuple[str, list[int], SamplingParams]],
-                       sink: asyncio.Queue, arrival_time: float | None = None) -> None:
-        """Queue (request_id, prompt_token_ids, params) requests in one engine turn; returns
-        once the engine took all of them. Outputs (and a `RequestFailed` if a step fails
-        for one) then arrive on `sink`. Raises ValueError (bad input, the engine's message)
-        or QueueFull; in both cases nothing of any of them is left."""
+                       sink: asyncio.Queue, arrival_time: float | None = None,
+                       priority: int = 0) -> None:
+        """Queue (request_id, prompt_token_ids, params) requests in one engine turn, all
+        with `priority` (add_request's); returns once the engine took all of them. Outputs
+        (and a `RequestFailed` if a step fails for one) then arrive on `sink`. Raises
+        ValueError (bad input, the engine's message) or QueueFull; in both cases nothing
+        of any of them is left."""
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         self._post(_Add(list(requests),
                         time.perf_counter() if arrival_time is None else arrival_time,
-                        sink, loop, accepted))
+                        sink, loop, accepted, priority))
         await accepted
 
     def abort(self, request_ids: str | list[str]) -> None:
@@ -206,7 +211,7 @@ class AsyncEngine:
                                 "waiting); retry later")
             for request_id, prompt_token_ids, params in op.requests:
                 self.engine.add_request(request_id, prompt_token_ids, params,
-                                        arrival_time=op.arrival_time)
+                                        arrival_time=op.arrival_time, priority=op.priority)
                 added.append(request_id)
         except Exception as e:  # noqa: BLE001 - any error belongs to this request alone
             # ValueError (bad input) and QueueFull are the caller's to fix: rejected.

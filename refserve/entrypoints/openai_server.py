@@ -234,7 +234,7 @@ def build_app(server: AsyncEngine, model_name: str,
         sink: asyncio.Queue = asyncio.Queue()
         try:
             await server.add_many(list(zip(engine_ids, prompts, params)), sink,
-                                  arrival_time=arrival)
+                                  arrival_time=arrival, priority=req.priority)
         except BaseException as e:
             # An abort queued after the add (the client left while it was in flight)
             # undoes it; aborting ids the engine never took is a no-op.
@@ -243,10 +243,11 @@ def build_app(server: AsyncEngine, model_name: str,
                 raise _unavailable(str(e)) from e
             if isinstance(e, ValueError):
                 # "SamplingParams.<field>=...: why" names its field (a token id outside
-                # the vocabulary); anything else is about the prompt.
+                # the vocabulary), "priority=..." the priority; the rest is the prompt's.
                 text = str(e).split(": ", 1)[-1] if str(e).startswith("prompt ") else str(e)
                 name = (text.split("=", 1)[0].removeprefix("SamplingParams.")
                         if text.startswith("SamplingParams.") else
+                        "priority" if text.startswith("priority=") else
                         "messages" if req.kind == "chat" else "prompt")
                 raise APIError(str(e), name) from e
             if isinstance(e, Exception):

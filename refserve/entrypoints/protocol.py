@@ -15,6 +15,8 @@
     truncate_prompt_tokens                     the prompt's last k tokens (k >= 1, or -1:
                                                the last max_model_len), before every
                                                length check
+    priority               (add_request's)     vLLM's: lower runs first; only with
+                                               --scheduling-policy priority
     logit_bias             logit_bias          OpenAI's {"token id": bias}: keys are token
                                                ids written as strings, biases clamped to
                                                [-100, 100] as OpenAI and vLLM do
@@ -102,6 +104,7 @@ class GenerationRequest:
     continuous_usage: bool = False     # stream_options.continuous_usage_stats
     logprobs: int | None = None        # top N per token, None: no logprobs
     echo: bool = False                 # completions: the prompt comes back first
+    priority: int = 0                  # vLLM's: lower runs first (scheduling_policy)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -214,6 +217,9 @@ def _common(body: dict, kind: str, max_tokens_names: tuple[str, ...],
     req.logprobs = _logprobs(body, kind, max_logprobs)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
+    # vLLM's extra: lower runs first; the engine refuses it unless scheduling_policy is
+    # "priority" (a 400 naming the field).
+    req.priority = _get(body, "priority", (int,), "an integer (lower runs first)", 0)
     return req
 
 
