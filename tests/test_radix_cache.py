@@ -4,6 +4,7 @@ attach, lock, compute, insert, move the lock, release, evict) and checks after e
 that the tree, the allocator and the holders agree."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -472,3 +473,20 @@ RadixMachine.TestCase.settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestRadixCache = RadixMachine.TestCase
+
+
+def test_the_worked_example_prints_what_warmup_quotes(capsys):
+    """WARMUP §13 quotes `python -m refserve.kv_cache.radix_demo`: b's hit splits a's node,
+    locks walk up (2 on the shared node), and evict(2) frees only the unlocked leaf."""
+    from refserve.kv_cache.radix_demo import main
+
+    tree = main()
+    text = capsys.readouterr().out
+    assert ("└── [1 2 3 4] (4 tokens)  blocks [0, 1]  lock 2  t 4\n"
+            "    ├── [5 6] (2 tokens)  blocks [2]  lock 1  t 2\n"
+            "    └── [9 9] (2 tokens)  blocks [3]  lock 1  t 5") in text
+    assert "evict(2) frees [2]" in text
+    assert tree.num_cached_blocks == 3
+    warmup = (Path(__file__).parents[1] / "WARMUP.md").read_text()
+    assert "python -m refserve.kv_cache.radix_demo" in warmup
+    assert "└── [1 2 3 4] (4 tokens)  blocks [0, 1]  lock 2  t 4" in warmup

@@ -107,12 +107,19 @@ SwapSchedulerMachine.TestCase.settings = settings(
 TestSwapScheduler = SwapSchedulerMachine.TestCase
 
 
-def test_a_swapped_out_sequence_keeps_its_computed_tokens():
+def two_on_a_small_pool():
+    """Two 4-token prompts that want 12 tokens each on a 6-block pool of 4-token blocks:
+    the second is preempted (swapped out) within a few steps."""
     sched, kv, runner = make(num_blocks=6, block_size=4, max_num_seqs=2, prefix=False,
                              host_blocks=16)
     a, b = make_seq("a", 4, 12), make_seq("b", 4, 12)
     sched.add_sequence(a)
     sched.add_sequence(b)
+    return sched, kv, runner, a, b
+
+
+def test_a_swapped_out_sequence_keeps_its_computed_tokens():
+    sched, kv, runner, a, b = two_on_a_small_pool()
     for _ in range(100):
         out, _ = step(sched, runner)
         if out.preempted:
@@ -211,11 +218,7 @@ def test_swap_knobs_are_checked(tiny_folder):
 def test_a_step_never_applied_carries_its_swap_copies():
     """The forward of the step that planned a swap-out fails: the next schedule() carries
     the copies over (the host pool already names those blocks), so the KV still arrives."""
-    sched, kv, runner = make(num_blocks=6, block_size=4, max_num_seqs=2, prefix=False,
-                             host_blocks=16)
-    a, b = make_seq("a", 4, 12), make_seq("b", 4, 12)
-    sched.add_sequence(a)
-    sched.add_sequence(b)
+    sched, kv, runner, a, b = two_on_a_small_pool()
     for _ in range(100):
         out = sched.schedule()
         if out.swap_out:

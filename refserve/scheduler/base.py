@@ -47,7 +47,8 @@ from collections.abc import Mapping
 from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.scheduler.drafts import Proposal, count_verified, roll_back
-from refserve.scheduler.fits import check_fits
+from refserve.scheduler.fits import check_fits, check_scheduler_args
+from refserve.scheduler.forking import Forking
 from refserve.scheduler.output import (
     SampledTokens,
     ScheduledSequence,
@@ -58,13 +59,13 @@ from refserve.scheduler.policy import SchedulingPolicy, make_policy
 from refserve.scheduler.row_plan import RowPlan, num_logits, plan_row
 from refserve.scheduler.step_retry import carry_over, last_per_destination
 from refserve.scheduler.stop_rules import append_tokens
-from refserve.scheduler.swapping import PREEMPTION_MODES, Swapper
+from refserve.scheduler.swapping import Swapper
 from refserve.sequence import Sequence, SequenceStatus
 
 NO_PROPOSALS: Mapping[int, Proposal] = {}
 
 
-class SchedulerBase:
+class SchedulerBase(Forking):
     """The queues, advancing with preemption, update and retire (see the module docstring).
 
     Invariants between calls:
@@ -82,11 +83,8 @@ class SchedulerBase:
                  scheduling_policy: str | SchedulingPolicy = "fcfs",
                  preemption_mode: str = "recompute",
                  host_pool: HostBlockPool | None = None) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        check_scheduler_args(max_num_seqs, max_num_batched_tokens, max_model_len,
+                             long_prefill_token_threshold, preemption_mode, host_pool)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_cache_manager = kv_cache_manager
@@ -94,18 +92,10 @@ class SchedulerBase:
         self.eos_token_id = eos_token_id
         # vLLM's cap on the tokens one prefill takes per step (0: none), so a long prompt
         # leaves budget for the requests behind it.
-        if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold!r}: "
-                             "must be an integer >= 0")
         self.long_prefill_token_threshold = long_prefill_token_threshold
         # The admission order of `waiting` and the preemption victim (policy.py).
         self.policy = (scheduling_policy if isinstance(scheduling_policy, SchedulingPolicy)
                        else make_policy(scheduling_policy))
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode={preemption_mode!r}: choose one of "
-                             f"{', '.join(PREEMPTION_MODES)}")
-        if (preemption_mode == "swap") != (host_pool is not None):
-            raise ValueError("preemption_mode='swap' needs a host_pool (and only it)")
         self.preemption_mode = preemption_mode
         self.swapper = Swapper(host_pool, kv_cache_manager) if host_pool is not None else None
 
@@ -186,48 +176,6 @@ class SchedulerBase:
             self._on_running_left()
         seq.status = SequenceStatus.FINISHED_ABORTED
         return seq
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Parallel sampling: `child` (made by `parent.fork()`) shares every block of the
-        running `parent` and runs right after it (after any earlier children).
-
-        Called between `schedule()` and `update()` of the step in which the parent samples
-        (that is what `update` does with `SampledTokens.fork_token_ids`), the child rides
-        that step: `update` advances it like the parent and appends its own token. Called at
-        any other time, the child simply continues from its own state. The parent's n seats
-        become 1 + one per child. Everything is checked before anything changes.
-        """
-        if self._by_id.get(parent.seq_id) is not parent or parent not in self.running:
-            raise ValueError(f"fork: parent {parent.seq_id} is not running")
-        if parent.seq_id not in self._holding:
-            raise ValueError(f"fork: parent {parent.seq_id} has not been computed yet")
-        if child.seq_id is None:
-            child.seq_id = self.new_seq_id()
-        if child.seq_id in self._by_id:
-            raise ValueError(f"fork: sequence {child.seq_id} is already scheduled")
-        rides = False
-        if self._pending is not None:
-            for row in self._pending.scheduled:
-                if row.seq is parent and not row.is_padding:
-                    if child.num_computed_tokens != row.start:
-                        raise ValueError(f"fork between schedule() and update(): child "
-                                         f"{child.seq_id} must copy the parent as scheduled "
-                                         f"(num_computed_tokens={row.start})")
-                    rides = True
-        # Validated: from here on nothing can fail.
-        self.kv_cache_manager.fork(parent, child)
-        self._holding.add(child.seq_id)
-        parent.awaiting_fork = False
-        child.awaiting_fork = False
-        child.status = SequenceStatus.RUNNING
-        index = self.running.index(parent) + 1
-        while (index < len(self.running)
-               and self.running[index].request_id == parent.request_id):
-            index += 1
-        self.running.insert(index, child)
-        self._by_id[child.seq_id] = child
-        if rides:
-            self._riders.setdefault(parent.seq_id, []).append(child)
 
     # ---- one step -----------------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """Could this request ever run? Checked before anything is queued or allocated (the
-scheduler's add_sequence, the engine's validate_request). The other rule of a sequence's
+scheduler's add_sequence, the engine's validate_request). And could a scheduler with these
+limits ever run anything (check_scheduler_args, at construction). The other rule of a sequence's
 length, when it stops, is stop_rules.py's.
 """
 
 from __future__ import annotations
 
 from refserve.capacity import blocks_for_tokens
+from refserve.config import PREEMPTION_MODES
 
 
 def check_fits(num_prompt_tokens: int, num_seats: int, *, max_model_len: int,
@@ -27,3 +29,22 @@ def check_fits(num_prompt_tokens: int, num_seats: int, *, max_model_len: int,
     if num_seats > max_num_seqs:
         raise ValueError(f"SamplingParams.n={num_seats} is more than max_num_seqs="
                          f"{max_num_seqs} batch seats")
+
+
+def check_scheduler_args(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                         long_prefill_token_threshold: int, preemption_mode: str,
+                         host_pool) -> None:
+    """Raise ValueError naming the first of a scheduler's limits that could never work."""
+    for name, value in (("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_model_len", max_model_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
+        raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold!r}: "
+                         "must be an integer >= 0")
+    if preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode={preemption_mode!r}: choose one of "
+                         f"{', '.join(PREEMPTION_MODES)}")
+    if (preemption_mode == "swap") != (host_pool is not None):
+        raise ValueError("preemption_mode='swap' needs a host_pool (and only it)")
