@@ -71,6 +71,19 @@ def test_unknown_block_id_raises(bad):
             op(bad)
 
 
+def test_block_ids_are_any_integer_and_nothing_else():
+    """The id check's fast path is for plain ints; NumPy integers still pass, and a float or
+    a string is refused rather than used as an index."""
+    import numpy as np
+
+    allocator = BlockAllocator(2)
+    block = allocator.allocate()
+    assert allocator.ref_count(np.int64(block)) == 1 == allocator.ref_count(np.int32(block))
+    for bad in (float(block), str(block), None):
+        with pytest.raises(ValueError, match="does not exist"):
+            allocator.ref_count(bad)
+
+
 def test_bad_pool_size():
     with pytest.raises(ValueError):
         BlockAllocator(0)
