@@ -26,6 +26,15 @@ def strict(tiny_dir):
     s.close()
 
 
+@pytest.fixture(scope="module")
+def limited(tiny_dir):
+    """Four connections at most, and a head timeout long enough that the idle ones stay
+    open however slow the machine is until the test closes them."""
+    s = ServerThread(make_engine(tiny_dir), header_timeout=60, limit_concurrency=4)
+    yield s
+    s.close()
+
+
 def _read_all(sock: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection."""
     sock.settimeout(DEADLINE_S)
@@ -57,6 +66,19 @@ def test_a_request_head_sent_a_byte_at_a_time_is_cut_off(strict):
     assert b"--header-timeout" in reply
 
 
+def test_a_client_cut_off_may_go_on_sending_without_a_reset(strict):
+    """The 408 is followed by a lingering close: the server shuts its sending side and reads
+    (and drops) what still comes. A plain close() answers those bytes with a TCP reset, which
+    can destroy the 408 before the client reads it; here the reset shows as a failed send."""
+    with socket.create_connection(("127.0.0.1", strict.port)) as sock:
+        sock.sendall(HEAD[:20])
+        reply = _read_all(sock)          # the 408, then the server's FIN
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        for _ in range(3):               # after a reset the second send fails
+            sock.send(b"x")
+            time.sleep(0.05)
+
+
 def test_a_body_that_never_completes_is_a_408(strict):
     with socket.create_connection(("127.0.0.1", strict.port)) as sock:
         sock.sendall(HEAD + b"content-length: 100\r\n\r\n" + b'{"prompt": ')
@@ -79,19 +101,19 @@ def test_an_abandoned_upload_logs_one_line_and_no_traceback(served, caplog):
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
-def test_connections_beyond_the_limit_are_turned_away(strict):
-    idle = [socket.create_connection(("127.0.0.1", strict.port)) for _ in range(4)]
+def test_connections_beyond_the_limit_are_turned_away(limited):
+    idle = [socket.create_connection(("127.0.0.1", limited.port)) for _ in range(4)]
     try:
-        wait_for(lambda: len(strict.http.uv.server_state.connections) >= 4,
+        wait_for(lambda: len(limited.http.uv.server_state.connections) >= 4,
                  "the idle connections to be accepted")
-        r = httpx.post(strict.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT,
-                                                             "max_tokens": 2})
+        r = httpx.post(limited.url + "/v1/completions", json={"model": MODEL,
+                                                              "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 503
     finally:
         for s in idle:
             s.close()
-    # The idle ones are cut by the head timeout; then the server takes requests again.
-    wait_for(lambda: httpx.post(strict.url + "/v1/completions", json={
+    # Once the idle ones are gone, the server takes requests again.
+    wait_for(lambda: httpx.post(limited.url + "/v1/completions", json={
         "model": MODEL, "prompt": PROMPT, "max_tokens": 2}).status_code == 200,
         "a request to be served again", poll=0.2)
 

@@ -14,6 +14,12 @@ number of connections (`limit_concurrency`), but not a client that sends its req
 byte at a time. `_HeadTimeoutH11` adds that deadline: a connection must deliver a whole head
 within `header_timeout` of opening (or of its previous response), else it gets a 408 and is
 closed. The body's own deadline is guards.py's.
+
+Closing after that 408 is a *lingering* close: the server shuts its sending side, then reads
+and discards what the client still sends for up to `LINGER_S` before it closes the socket.
+A plain close() with unread bytes in the kernel's receive buffer makes the kernel answer
+with a TCP reset, and a reset can reach the client before it has read the 408: the client
+then sees "connection reset by peer" instead of the error that says which flag cut it off.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from refserve.entrypoints.protocol import error_body
 
 log = logging.getLogger("uvicorn.error")
 
+LINGER_S = 2.0  # how long a cut-off client may go on sending before the socket is closed
+
 
 class _HeadTimeoutH11(H11Protocol):
     """uvicorn's h11 protocol plus a deadline for each request head (see the module
@@ -43,7 +51,13 @@ class _HeadTimeoutH11(H11Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._head_timer = None
+        self._lingering = False
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the 408 is sent: what the client still sends is read and dropped
+        super().data_received(data)
 
     def handle_events(self) -> None:
         cycle = self.cycle
@@ -82,7 +96,18 @@ class _HeadTimeoutH11(H11Protocol):
             client = "{}:{}".format(*self.client) if self.client else "a client"
             log.warning("closed the connection of %s: no complete request head within %g s",
                         client, self.header_timeout)
+            self._linger()
+            return
         self.transport.close()
+
+    def _linger(self) -> None:
+        """Send FIN after the 408 (write_eof flushes first), drop further input, close
+        when the client closes its side (eof_received) or after LINGER_S."""
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.transport.resume_reading()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def bind(host: str, port: int) -> socket.socket:
