@@ -18,10 +18,10 @@ notebook can make in its own cell (values flow from one to the next; nothing is 
 The offline API around it (`LLM`, vLLM's names) is refserve/llm.py.
 
 `engine.observer` (refserve's, default None) watches a run without being part of it:
-anything with `arrive(request_id, t)`, called by add_request with the arrival time, and
+anything with `arrive(request_id, t)`, called by add_request with the arrival time,
 `step(t_start, t_end, out, update, outputs)`, called after each step with its
-time.perf_counter() bounds. The `--trace` timeline (refserve/simulator/trace.py,
-`EngineTrace`) is one; the engine never imports it.
+time.perf_counter() bounds, and `abort(request_id, t)`, called by abort_request. The
+`--trace` timeline (refserve/simulator/trace.py, `EngineTrace`) is one; the engine never imports it.
 """
 
 from __future__ import annotations
@@ -210,6 +210,8 @@ class LLMEngine(RequestIntake):
             if not seq.is_finished:
                 self.scheduler.abort(seq.seq_id)  # frees its blocks, marks it aborted
         del self.requests[request_id]
+        if self.observer is not None:
+            self.observer.abort(request_id, time.perf_counter())
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -109,6 +109,30 @@ def test_a_request_added_before_the_trace_starts_when_first_seen(tiny_folder, tm
     assert spans[0]["name"] == "prefill" and spans[-1]["name"] == "decode"
 
 
+def test_an_aborted_request_ends_where_it_was_aborted(tiny_folder, tmp_path):
+    engine = LLMEngine(model=str(tiny_folder), block_size=4, progress=False,
+                       num_gpu_blocks_override=64)
+    trace = EngineTrace()
+    trace.attach(engine)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine.add_request("left", [1, 2, 3], params)
+    engine.add_request("stayed", [4, 5, 6], params)
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_request("left")
+    assert not engine.abort_request("left")          # a second abort changes nothing
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace.write(tmp_path / "t.json")
+    doc = json.loads((tmp_path / "t.json").read_text())
+    spans = spans_by_request(doc)
+    left_end = spans["left"][-1]["ts"] + spans["left"][-1]["dur"]
+    stayed_end = spans["stayed"][-1]["ts"] + spans["stayed"][-1]["dur"]
+    assert spans["left"][-1]["name"] == "decode" and left_end < stayed_end
+    marks = [e for e in doc["traceEvents"] if e["ph"] == "i"]
+    assert [(m["name"], m["ts"]) for m in marks] == [("aborted", pytest.approx(left_end))]
+
+
 def test_a_simulation_is_drawn_beside_its_real_run(tiny_folder, tmp_path):
     """add_simulation: the simulated requests' t = 0 is the real run's start on the file's
     axis, so a real run and its simulation line up (bench sim-fidelity --trace)."""

@@ -87,6 +87,9 @@ class StepProfile:
     def arrive(self, request_id, t) -> None:
         self._cpu = time.process_time()  # add_request's own work is not a step's
 
+    def abort(self, request_id, t) -> None:
+        pass  # an aborted request leaves no step behind
+
     def step(self, t_start, t_end, out, update, outputs) -> None:
         cpu, self._cpu = time.process_time() - self._cpu, time.process_time()
         if out.scheduled:

@@ -21,7 +21,9 @@ time.perf_counter() times; the engine does not import this module), one recorder
 engine, all in one file: a bench scenario that runs several engines shows each as its own
 pair of processes ("engine: LABEL", "requests: LABEL") on one time axis, from the first
 arrival. A request of the real engine finishes at its `metrics.finish_time`, so its spans
-add up to finish_time - arrival_time; an aborted request's last span runs to the end.
+add up to finish_time - arrival_time. An aborted request (`abort(request_id, t)`: a client
+that left, a server shutting down) ends where it was aborted, marked by an "aborted" instant
+event on its track.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class _Track:
     args: dict = field(default_factory=dict)
     spans: list[tuple[str, float, float, dict]] = field(default_factory=list)
     finished: float | None = None
+    aborted: bool = False
 
 
 class TraceRecorder:
@@ -133,6 +136,15 @@ class TraceRecorder:
         self._running.discard(request_id)
         self._end = max(self._end, t)
 
+    def abort(self, request_id: str, t: float) -> None:
+        """The request was aborted at t. Ignored for one this recorder never saw or that
+        already finished (a finished request cannot be aborted)."""
+        track = self._tracks.get(request_id)
+        if track is None or track.finished is not None:
+            return
+        self.finish(request_id, t)
+        track.aborted = True
+
     # ---- reading it back ---------------------------------------------------------------
 
     def knows(self, request_id: str) -> bool:
@@ -167,6 +179,10 @@ class TraceRecorder:
                 if args:
                     event["args"] = args
                 events.append(event)
+            if track.aborted:
+                events.append({"name": "aborted", "cat": "request", "ph": "i", "s": "t",
+                               "pid": self._requests_pid, "tid": track.tid,
+                               "ts": self._us(track.finished)})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, path: Path) -> None:
@@ -247,6 +263,9 @@ class _Observer:
     def arrive(self, request_id: str, t: float) -> None:
         self.trace._first_arrival(t)
         self.recorder.arrive(request_id, t)
+
+    def abort(self, request_id: str, t: float) -> None:
+        self.recorder.abort(request_id, t)
 
     def step(self, t_start, t_end, out, update, outputs) -> None:
         # A request added before the trace was attached starts its track when first seen.
