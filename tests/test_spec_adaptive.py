@@ -53,9 +53,9 @@ def test_the_batch_changes_the_rule():
     """At batch 1 the measured 5-row pass is cheap; at 8 running the 40-row verify step is
     past the bandwidth floor, and the same acceptance no longer pays for 4 drafts."""
     rule = AdaptiveSpeculation(k=4, pass_cost=CPU_LIKE)
-    rule.forget_all_but({0})
+    rule.begin_step({0})
     assert rule.batch == 1 and rule.best(0.6) == 2
-    rule.forget_all_but(set(range(8)))
+    rule.begin_step(set(range(8)))
     assert rule.batch == 8 and rule.best(0.6) == 1 and rule.best(0.6, batch=1) == 2
     assert rule.cost(0) == 1.0
     assert rule.cost(4) == pytest.approx(5.0 / 1.8 + 4 * rule.cost_per_draft)
@@ -101,24 +101,74 @@ def test_measure_pass_cost_on_a_tiny_real_model(tiny_folder):
     assert all(s > 0 for s in cost.seconds) and np.all(np.diff(cost.seconds) >= 0)
 
 
+def steps_of(rule, seq_ids, n):
+    """n engine steps: begin_step, then each sequence's num_drafts (a list per step)."""
+    out = []
+    for _ in range(n):
+        rule.begin_step(set(seq_ids))
+        out.append([rule.num_drafts(s) for s in seq_ids])
+    return out
+
+
 def test_a_fresh_sequence_speculates_and_a_rejected_one_stops_then_probes():
     rule = AdaptiveSpeculation(k=4)
+    rule.begin_step({0})
     assert rule.num_drafts(0) >= 2  # the prior: speculate until evidence arrives
-    steps = 0
-    while rule.num_drafts(0) > 0:
+    for _ in range(20):
         rule.observe(0, 4, 0)  # every draft rejected at once
-        steps += 1
-        assert steps < 20
+        if rule.best(rule.alpha(0)) == 0:
+            break
     assert rule.best(rule.alpha(0)) == 0
-    # The loop's last call was idle step 1; steps 2 .. PROBE_EVERY - 1 are plain, then the
-    # PROBE_EVERY-th is the probe: one step in PROBE_EVERY.
-    assert [rule.num_drafts(0) for _ in range(adaptive.PROBE_EVERY - 2)] == \
-        [0] * (adaptive.PROBE_EVERY - 2)
-    assert rule.num_drafts(0) == adaptive.PROBE_TOKENS
-    probes = [rule.num_drafts(0) for _ in range(3 * adaptive.PROBE_EVERY)]
-    assert [i for i, n in enumerate(probes) if n] == \
-        [adaptive.PROBE_EVERY - 1 + i * adaptive.PROBE_EVERY for i in range(3)]
-    assert all(n in (0, adaptive.PROBE_TOKENS) for n in probes)
+    # Stopped: PROBE_TOKENS drafts on every PROBE_EVERY-th step of the engine's clock
+    # (begin_step), plain steps in between: one step in PROBE_EVERY.
+    drafts = [d for (d,) in steps_of(rule, [0], 3 * adaptive.PROBE_EVERY)]
+    assert [rule.steps - len(drafts) + 1 + i for i, n in enumerate(drafts) if n] == \
+        [s for s in range(rule.steps - len(drafts) + 1, rule.steps + 1)
+         if s % adaptive.PROBE_EVERY == 0]
+    assert sum(n > 0 for n in drafts) == 3
+    assert all(n in (0, adaptive.PROBE_TOKENS) for n in drafts)
+
+
+def test_stopped_sequences_probe_on_the_same_step():
+    """A probe costs the batch (a draft model runs its passes over everyone), so the
+    stopped sequences probe together: 3 probe steps in 90, not 3 per sequence."""
+    rule = AdaptiveSpeculation(k=4)
+    ids = list(range(12))
+    for s in ids:
+        for _ in range(30):
+            rule.observe(s, 2, 0)
+    steps = steps_of(rule, ids, 3 * adaptive.PROBE_EVERY)
+    probing = [row for row in steps if any(row)]
+    assert len(probing) == 3
+    assert all(row == [adaptive.PROBE_TOKENS] * len(ids) for row in probing)
+
+
+def test_a_draft_models_batch_drafts_one_k_priced_for_all():
+    """With a draft model every draft position is one draft pass over the batch: a fresh
+    sequence (the prior's optimism) in a batch that stopped speculating does not make the
+    whole batch wait for k draft passes; a batch that all accepts drafts together."""
+    shared = AdaptiveSpeculation(k=4, draft_cost_per_token=0.3)
+    alone = AdaptiveSpeculation(k=4)   # n-gram: each sequence for itself
+    stopped = list(range(1, 16))
+    for rule in (shared, alone):
+        for s in stopped:
+            for _ in range(30):
+                rule.observe(s, 2, 0)
+        rule.begin_step({0, *stopped})
+    assert shared.best(shared.alpha(0)) >= 1          # alone, the prior would draft
+    assert shared.num_drafts(0) == 0 and alone.num_drafts(0) >= 2
+    assert [shared.num_drafts(s) for s in stopped] == [0] * len(stopped)
+    for s in stopped:
+        for _ in range(30):
+            shared.observe(s, 4, 4)
+    shared.begin_step({0, *stopped})
+    assert {shared.num_drafts(s) for s in [0, *stopped]} == {4}
+    # the mean of E, not the best or the worst sequence's: E(1, 4) = 5, E(0, 4) = 1
+    assert best_num_drafts(1.0, 4, 0.3) == 4 and best_num_drafts(0.0, 4, 0.3) == 0
+    assert best_num_drafts([0.0, 1.0], 4, 0.3) == 4          # mean 3 > cost 2.2
+    assert best_num_drafts([0.0, 0.0, 0.0, 1.0], 4, 0.3) == 0  # mean 2 < cost 2.2
+    assert best_num_drafts([0.9, 0.9], 4, 0.1) == best_num_drafts(0.9, 4, 0.1) > 0
+    assert best_num_drafts([], 4, 0.1) == 0
 
 
 def test_acceptance_brings_speculation_back_and_other_sequences_are_independent():
@@ -130,7 +180,7 @@ def test_acceptance_brings_speculation_back_and_other_sequences_are_independent(
         rule.observe(0, 4, 4)  # a quote starts: everything accepted
     assert rule.num_drafts(0) == 4
     assert rule.num_drafts(1) == rule.num_drafts(2) >= 2  # untouched sequences: the prior
-    rule.forget_all_but({1})
+    rule.begin_step({1})
     assert rule.alpha(0) == pytest.approx(adaptive.PRIOR_ALPHA)
 
 

@@ -41,13 +41,36 @@ kept its weight while the evidence saturates at 1 / (1 - DECAY) = 10 tests would
 PRIOR_ALPHA / 11 = 0.07 for a proposer that is never right, enough to keep one draft a step
 alive wherever a verify row costs under 7% of a step.
 
+A draft model's drafts are priced for the batch, not per sequence. Every draft position
+is one forward of the draft over all the sequences drafting there, so one sequence that
+proposes k' makes the whole step wait for k' draft passes: a fresh request at the prior's
+full k, in a batch that had stopped speculating, cost every other sequence k draft passes.
+With a draft model (draft_cost_per_token > 0) the batch therefore proposes one k' together:
+
+    k' = argmax over k' in 0..k of  mean_s E(α̂_s, k') / cost(k')
+
+over the running sequences s, the cost being the one above (every sequence proposing k').
+The n-gram proposer runs no model: a sequence's drafts cost only its own verify rows, so
+each sequence keeps its own k'.
+
 Stopping must not be forever (acceptance changes when, e.g., the model starts quoting), so
-while the rule says k' = 0, every PROBE_EVERY-th consecutive step is a probe with
-PROBE_TOKENS drafts (PROBE_EVERY - 1 plain steps, then the probe); a probe's outcome updates
-α̂ like any verify step. A probe costs cost(PROBE_TOKENS) - 1 extra decode steps (0.1-0.4
-with the measured pass costs), so with PROBE_EVERY = 30 a request whose drafts are never
-accepted runs at most (cost(PROBE_TOKENS) - 1) / PROBE_EVERY, under 2%, slower than
-without speculation.
+while the rule says k' = 0, a sequence probes with PROBE_TOKENS drafts on every
+PROBE_EVERY-th engine step (`begin_step` is the clock), and all stopped sequences probe on
+the same step; a probe's outcome updates α̂ like any verify step. Together, because a probe
+costs the batch, not only its sequence: with a draft model every draft position is one
+draft forward over the whole batch, so probes staggered per sequence (each one's own
+counter) put a probe in almost every step once PROBE_EVERY / PROBE_TOKENS sequences had
+stopped. A probe step costs cost(PROBE_TOKENS) - 1 extra decode steps (0.1-0.4 with the
+measured pass costs, more with a draft model), so with PROBE_EVERY = 30 a batch whose
+drafts are never accepted runs at most (cost(PROBE_TOKENS) - 1) / PROBE_EVERY, a few
+percent, slower than without speculation, whatever its size.
+
+Both measured at GPU scale (`python -m refserve.simulate --model llama-3-8b --gpu
+h100-80gb --num-requests 300 --rate 20 --spec-alpha A --speculative-config
+'{"method": "draft_model", "model": "self", "num_draft_layers": 8}'`; TPOT p50 without
+speculation 7.2 ms): per sequence with staggered probes, 10.3 ms at A = 0.1 and 9.8 ms at
+A = 0.5; with both rules, 7.4 ms and 7.1 ms (and 5.3 ms at A = 0.8, where a fixed k = 4
+gives 5.6 ms).
 
 All constants are here and nowhere else; tests/test_spec_adaptive.py pins the rule.
 """
@@ -110,13 +133,17 @@ def measure_pass_cost(model, max_rows: int) -> PassCost | None:
     return PassCost(tuple(rows), tuple(float(s) for s in seconds))
 
 
-def best_num_drafts(alpha: float, k: int, cost_per_draft: float,
-                    pass_ratio=lambda n: 1.0) -> int:
+def best_num_drafts(alpha, k: int, cost_per_draft: float, pass_ratio=lambda n: 1.0) -> int:
     """argmax over k' in 0..k of E(α, k') / cost(k'), cost(0) = 1 and
-    cost(k') = pass_ratio(k') + k' · cost_per_draft; the smaller k' on ties."""
+    cost(k') = pass_ratio(k') + k' · cost_per_draft; the smaller k' on ties. `alpha` may be
+    a list (a batch drafting one k' together): E is then the mean of E(α_s, k')."""
+    alphas = [alpha] if np.isscalar(alpha) else list(alpha)
+    if not alphas:
+        return 0
     best, best_rate = 0, 1.0
     for kk in range(1, k + 1):
-        rate = expected_tokens_per_pass(alpha, kk) / (pass_ratio(kk) + kk * cost_per_draft)
+        gain = sum(expected_tokens_per_pass(a, kk) for a in alphas) / len(alphas)
+        rate = gain / (pass_ratio(kk) + kk * cost_per_draft)
         if rate > best_rate + 1e-12:
             best, best_rate = kk, rate
     return best
@@ -127,7 +154,6 @@ class _State:
     accepted: float = 0.0    # discounted passed accept tests (A)
     tested: float = 0.0      # discounted accept tests (T)
     prior: float = PRIOR_WEIGHT   # the prior's discounted weight (P)
-    idle_steps: int = 0      # consecutive steps at k' = 0, the probe included
 
     @property
     def alpha(self) -> float:
@@ -141,9 +167,12 @@ class AdaptiveSpeculation:
                  pass_cost: PassCost = FLAT):
         self.k = k
         self.cost_per_draft = VERIFY_COST_PER_TOKEN + draft_cost_per_token
+        self.shared = draft_cost_per_token > 0   # a draft model: the batch's one k'
+        self._batch_k = 0        # that k', set by begin_step
         self.enabled = enabled
         self.pass_cost = pass_cost
-        self.batch = 1           # sequences running, as of the last forget_all_but
+        self.batch = 1           # sequences running, as of the last begin_step
+        self.steps = 0           # begin_step calls: the clock the probes keep
         self._states: dict[int, _State] = {}
 
     def calibrate(self, model, max_rows: int) -> None:
@@ -159,8 +188,9 @@ class AdaptiveSpeculation:
         ratio = self.pass_cost.ratio(batch or self.batch, num_drafts)
         return ratio + num_drafts * self.cost_per_draft
 
-    def best(self, alpha: float, batch: int | None = None) -> int:
-        """k' for acceptance `alpha` at `batch` running (default: the current batch)."""
+    def best(self, alpha, batch: int | None = None) -> int:
+        """k' for acceptance `alpha` (or the mean over a list) at `batch` running (default:
+        the current batch)."""
         b = batch or self.batch
         return best_num_drafts(alpha, self.k, self.cost_per_draft,
                                lambda n: self.pass_cost.ratio(b, n))
@@ -169,20 +199,21 @@ class AdaptiveSpeculation:
         return self._states.get(seq_id, _State()).alpha
 
     def num_drafts(self, seq_id: int) -> int:
-        """How many drafts this sequence should propose now (0: decode plainly). Counts the
-        step as idle when the rule says 0; the PROBE_EVERY-th idle step is a probe."""
+        """How many drafts this sequence should propose now (0: decode plainly): its own k',
+        or with a draft model the batch's (set by begin_step). When that is 0:
+        PROBE_TOKENS on a probe step (every PROBE_EVERY-th begin_step, the same step for
+        every sequence), else 0."""
         if not self.enabled:
             return self.k
         state = self._states.setdefault(seq_id, _State())
-        n = self.best(state.alpha)
+        n = self._batch_k if self.shared else self.best(state.alpha)
         if n > 0:
-            state.idle_steps = 0
             return n
-        state.idle_steps += 1
-        if state.idle_steps >= PROBE_EVERY:
-            state.idle_steps = 0
-            return min(PROBE_TOKENS, self.k)
-        return 0
+        return min(PROBE_TOKENS, self.k) if self.is_probe_step else 0
+
+    @property
+    def is_probe_step(self) -> bool:
+        return self.steps > 0 and self.steps % PROBE_EVERY == 0
 
     def observe(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
         """One verify step's result: `num_accepted` of `num_draft` drafts accepted."""
@@ -197,12 +228,17 @@ class AdaptiveSpeculation:
     def forget(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
 
-    def forget_all_but(self, live: set[int]) -> None:
-        """Drop the state of sequences not in `live` (the running ones, once per step),
-        whose count is the batch the rule prices."""
+    def begin_step(self, live: set[int]) -> None:
+        """Once per engine step, before its num_drafts calls, with the running sequences'
+        ids: advances the probes' clock, sets the batch the rule prices (len(live)), drops
+        the state of sequences no longer running and, with a draft model, sets the batch's
+        one k' (the module docstring)."""
+        self.steps += 1
         self.batch = max(len(live), 1)
         for seq_id in [s for s in self._states if s not in live]:
             del self._states[seq_id]
+        if self.shared and self.enabled:
+            self._batch_k = self.best([self.alpha(s) for s in live])
 
 
 if __name__ == "__main__":

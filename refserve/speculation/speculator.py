@@ -37,7 +37,7 @@ class Speculator:
         draft model's shadow gives back its blocks). Changes no Sequence."""
         live = {seq.seq_id for seq in running}
         self.proposer.release(live)
-        self.adaptive.forget_all_but(live)
+        self.adaptive.begin_step(live)
         seqs, counts = [], []
         for seq in running:
             n = self.num_drafts(seq)
