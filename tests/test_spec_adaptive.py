@@ -130,17 +130,24 @@ def test_a_fresh_sequence_speculates_and_a_rejected_one_stops_then_probes():
 
 
 def test_stopped_sequences_probe_on_the_same_step():
-    """A probe costs the batch (a draft model runs its passes over everyone), so the
-    stopped sequences probe together: 3 probe steps in 90, not 3 per sequence."""
+    """A probe costs the batch (a draft model runs its passes over everyone), so stopped
+    sequences probe together, on the engine's clock: 12 sequences that joined and stopped
+    on 12 different steps give 3 probe steps in 90, not 3 per sequence."""
     rule = AdaptiveSpeculation(k=4)
-    ids = list(range(12))
-    for s in ids:
-        for _ in range(30):
-            rule.observe(s, 2, 0)
-    steps = steps_of(rule, ids, 3 * adaptive.PROBE_EVERY)
-    probing = [row for row in steps if any(row)]
-    assert len(probing) == 3
-    assert all(row == [adaptive.PROBE_TOKENS] * len(ids) for row in probing)
+    probe_steps = set()
+    for t in range(3 * adaptive.PROBE_EVERY):
+        live = set(range(min(t + 1, 12)))
+        rule.begin_step(live)
+        if t < 12:                      # sequence t joins now and is rejected at once
+            for _ in range(30):
+                rule.observe(t, 2, 0)
+        drafts = [rule.num_drafts(s) for s in sorted(live)]
+        assert set(drafts) <= {0, adaptive.PROBE_TOKENS}
+        if any(drafts):
+            assert drafts == [adaptive.PROBE_TOKENS] * len(live)   # all of them at once
+            probe_steps.add(rule.steps)
+    assert probe_steps == {adaptive.PROBE_EVERY, 2 * adaptive.PROBE_EVERY,
+                           3 * adaptive.PROBE_EVERY}
 
 
 def test_a_draft_models_batch_drafts_one_k_priced_for_all():
