@@ -166,8 +166,14 @@ def test_roofline_quick(tmp_path, smollm2_dir):
 
 @pytest.mark.slow
 def test_loadtest_quick(tmp_path, smollm2_dir):
-    data = run_quick(tmp_path, "loadtest")
+    trace = tmp_path / "server.trace.json"
+    data = run_quick(tmp_path, "loadtest", "--trace", str(trace))
     assert [r["rate"] for r in data["rows"]] == [1.0, 4.0]
+    # the server's timeline: one track per request it was sent (the bench's ids are its own)
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events
+              if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 1}
+    assert len(tracks) == sum(r["finished"] for r in data["rows"])
     for r in data["rows"]:
         assert r["finished"] + r["rejected"] + r["failed"] == r["sent"] == 4
         assert r["failed"] == 0, r.get("errors")

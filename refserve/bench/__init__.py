@@ -20,7 +20,7 @@ Scenarios (one file each in this package)
 
 Each prints a table, states the machine (cores, BLAS and its kernel, GPU) and the exact
 command, writes every number with --json and a chart with --plot (and the engines' timelines with
---trace, where a scenario runs an engine). Workloads are built from a
+--trace, where a scenario runs an engine; loadtest's is its server's). Workloads are built from a
 seed and text bundled in refserve/bench/corpus.py. `--quick` is a CI-sized run. Numbers are
 compared only between systems measured in the same run.
 """

@@ -20,6 +20,9 @@ SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capaci
 # The scenarios that step an engine in this process: --trace records their timelines.
 TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
           "preemption", "sim-fidelity")
+# The scenario that runs a server process: --trace goes to it (serve --trace), and the
+# server writes the timeline when the bench shuts it down.
+SERVER_TRACED = ("loadtest",)
 
 
 class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -44,6 +47,9 @@ def build_parser() -> ArgumentParser:
         if name in TRACED:
             s.add_argument("--trace", type=Path, help="write every engine's timeline here "
                            "(Chrome trace-event JSON: https://ui.perfetto.dev)")
+        elif name in SERVER_TRACED:
+            s.add_argument("--trace", type=Path, help="write the server's timeline here "
+                           "(its serve --trace, written when the bench stops it)")
         module.add_arguments(s)
         s.set_defaults(module=module, parser=s)
     return p
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None:
         pyplot()  # matplotlib is there (or one `error:` line now, not after the run)
     args.tracer = None
-    if getattr(args, "trace", None) is not None:
+    if args.scenario in TRACED and args.trace is not None:
         from refserve.simulator.trace import EngineTrace
 
         args.tracer = EngineTrace()

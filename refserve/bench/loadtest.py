@@ -176,6 +176,8 @@ def _start_server(args, port: int) -> subprocess.Popen:
            "--served-model-name", "bench"]
     if args.model:
         cmd += ["--model", args.model]
+    if getattr(args, "trace", None) is not None:
+        cmd += ["--trace", str(args.trace)]
     print("server: " + " ".join(cmd[1:]), flush=True)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -224,6 +226,11 @@ def run(args) -> dict:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+    if getattr(args, "trace", None) is not None:
+        written = args.trace.exists() and proc.returncode == 0
+        print(f"trace: {args.trace} (the server's; open it in https://ui.perfetto.dev)"
+              if written else f"trace: the server did not write {args.trace} "
+              f"(exit code {proc.returncode})")
     print()
     print_table(rows, [("rate", "req/s in", "g"), ("sent", "sent", "d"),
                        ("finished", "finished", "d"), ("rejected", "rejected", "d"),
