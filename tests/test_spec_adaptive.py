@@ -150,6 +150,23 @@ def test_stopped_sequences_probe_on_the_same_step():
                            3 * adaptive.PROBE_EVERY}
 
 
+def test_a_request_run_alone_is_probed_on_the_same_steps_every_time():
+    """The probes' clock restarts when the batch was empty: the same request, run alone
+    twice on one engine, proposes the same drafts step by step (notebook 03 counts them)."""
+    rule = AdaptiveSpeculation(k=4)
+
+    def run_alone(seq_id, steps=75):
+        drafts = []
+        for _ in range(steps):
+            rule.begin_step({seq_id})
+            drafts.append(rule.num_drafts(seq_id))
+            rule.observe(seq_id, drafts[-1], 0)
+        return drafts
+
+    first = run_alone(0)
+    assert first == run_alone(1, steps=75) and sum(n > 0 for n in first[20:]) >= 2
+
+
 def test_a_draft_models_batch_drafts_one_k_priced_for_all():
     """With a draft model every draft position is one draft pass over the batch: a fresh
     sequence (the prior's optimism) in a batch that stopped speculating does not make the

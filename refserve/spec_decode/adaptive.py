@@ -55,15 +55,17 @@ each sequence keeps its own k'.
 
 Stopping must not be forever (acceptance changes when, e.g., the model starts quoting), so
 while the rule says k' = 0, a sequence probes with PROBE_TOKENS drafts on every
-PROBE_EVERY-th engine step (`begin_step` is the clock), and all stopped sequences probe on
-the same step; a probe's outcome updates α̂ like any verify step. Together, because a probe
-costs the batch, not only its sequence: with a draft model every draft position is one
-draft forward over the whole batch, so probes staggered per sequence (each one's own
-counter) put a probe in almost every step once PROBE_EVERY / PROBE_TOKENS sequences had
-stopped. A probe step costs cost(PROBE_TOKENS) - 1 extra decode steps (0.1-0.4 with the
-measured pass costs, more with a draft model), so with PROBE_EVERY = 30 a batch whose
-drafts are never accepted runs at most (cost(PROBE_TOKENS) - 1) / PROBE_EVERY, a few
-percent, slower than without speculation, whatever its size.
+PROBE_EVERY-th engine step, and all stopped sequences probe on the same step; a probe's
+outcome updates α̂ like any verify step. `begin_step` is the clock; it restarts when a step
+finds none of the sequences of the one before, so a request run alone is probed on the same
+steps every time. Together, because a probe costs the batch, not only its sequence: with a
+draft model every draft position is one draft forward over the whole batch, so probes
+staggered per sequence (each one's own counter) put a probe in almost every step once
+PROBE_EVERY / PROBE_TOKENS sequences had stopped. A probe step costs cost(PROBE_TOKENS) - 1
+extra decode steps (0.1-0.4 with the measured pass costs, more with a draft model), so with
+PROBE_EVERY = 30 a batch whose drafts are never accepted runs at most
+(cost(PROBE_TOKENS) - 1) / PROBE_EVERY, a few percent, slower than without speculation,
+whatever its size.
 
 Both measured at GPU scale (`python -m refserve.simulate --model llama-3-8b --gpu
 h100-80gb --num-requests 300 --rate 20 --spec-alpha A --speculative-config
@@ -172,7 +174,7 @@ class AdaptiveSpeculation:
         self.enabled = enabled
         self.pass_cost = pass_cost
         self.batch = 1           # sequences running, as of the last begin_step
-        self.steps = 0           # begin_step calls: the clock the probes keep
+        self.steps = 0           # the probes' clock: steps since the batch was last empty
         self._states: dict[int, _State] = {}
 
     def calibrate(self, model, max_rows: int) -> None:
@@ -233,6 +235,8 @@ class AdaptiveSpeculation:
         ids: advances the probes' clock, sets the batch the rule prices (len(live)), drops
         the state of sequences no longer running and, with a draft model, sets the batch's
         one k' (the module docstring)."""
+        if not any(seq_id in live for seq_id in self._states):
+            self.steps = 0   # a new busy period: a request run alone probes on the same steps
         self.steps += 1
         self.batch = max(len(live), 1)
         for seq_id in [s for s in self._states if s not in live]:
