@@ -58,8 +58,8 @@ while the rule says k' = 0, a sequence probes with PROBE_TOKENS drafts on every
 PROBE_EVERY-th engine step, and all stopped sequences probe on the same step; a probe's
 outcome updates α̂ like any verify step. `begin_step` is the clock; it restarts when a step
 finds none of the sequences of the one before, so a request run alone is probed on the same
-steps every time. Together, because a probe costs the batch, not only its sequence: with a
-draft model every draft position is one draft forward over the whole batch, so probes
+steps every time. They probe together because a probe costs the batch, not only its sequence:
+with a draft model every draft position is one draft forward over the whole batch, so probes
 staggered per sequence (each one's own counter) put a probe in almost every step once
 PROBE_EVERY / PROBE_TOKENS sequences had stopped. A probe step costs cost(PROBE_TOKENS) - 1
 extra decode steps (0.1-0.4 with the measured pass costs, more with a draft model), so with
