@@ -150,6 +150,22 @@ def test_stopped_sequences_probe_on_the_same_step():
                            3 * adaptive.PROBE_EVERY}
 
 
+def test_only_the_sequences_that_may_draft_choose_the_batchs_k():
+    """Sequences that cannot draft this step (prefilling, asking for logprobs) have no
+    evidence, only the prior's optimism: they must not keep two rejected drafters
+    drafting."""
+    rule = AdaptiveSpeculation(k=4, draft_cost_per_token=0.3)
+    rule.begin_step({0, 1})
+    for s in (0, 1):
+        for _ in range(30):
+            rule.observe(s, 2, 0)
+    live = set(range(12))              # 2 .. 11: running, but not drafting this step
+    rule.begin_step(live, drafting={0, 1})
+    assert not rule.is_probe_step and rule.num_drafts(0) == rule.num_drafts(1) == 0
+    rule.begin_step(live)              # had they a say, the prior would win
+    assert rule.num_drafts(0) > 0
+
+
 def test_a_request_run_alone_is_probed_on_the_same_steps_every_time():
     """The probes' clock restarts when the batch was empty: the same request, run alone
     twice on one engine, proposes the same drafts step by step (notebook 03 counts them)."""

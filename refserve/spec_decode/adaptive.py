@@ -71,7 +71,7 @@ Both measured at GPU scale (`python -m refserve.simulate --model llama-3-8b --gp
 h100-80gb --num-requests 300 --rate 20 --spec-alpha A --speculative-config
 '{"method": "draft_model", "model": "self", "num_draft_layers": 8}'`; TPOT p50 without
 speculation 7.2 ms): per sequence with staggered probes, 10.3 ms at A = 0.1 and 9.8 ms at
-A = 0.5; with both rules, 7.4 ms and 7.1 ms (and 5.3 ms at A = 0.8, where a fixed k = 4
+A = 0.5; with both rules, 7.4 ms and 7.1 ms (and 5.4 ms at A = 0.8, where a fixed k = 4
 gives 5.6 ms).
 
 All constants are here and nowhere else; tests/test_spec_adaptive.py pins the rule.
@@ -230,11 +230,13 @@ class AdaptiveSpeculation:
     def forget(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
 
-    def begin_step(self, live: set[int]) -> None:
+    def begin_step(self, live: set[int], drafting: set[int] | None = None) -> None:
         """Once per engine step, before its num_drafts calls, with the running sequences'
         ids: advances the probes' clock, sets the batch the rule prices (len(live)), drops
         the state of sequences no longer running and, with a draft model, sets the batch's
-        one k' (the module docstring)."""
+        one k' (the module docstring) from the sequences that may draft this step
+        (`drafting`, default all of `live`: one prefilling, or asking for logprobs, has no
+        say)."""
         if not any(seq_id in live for seq_id in self._states):
             self.steps = 0   # a new busy period: a request run alone probes on the same steps
         self.steps += 1
@@ -242,7 +244,8 @@ class AdaptiveSpeculation:
         for seq_id in [s for s in self._states if s not in live]:
             del self._states[seq_id]
         if self.shared and self.enabled:
-            self._batch_k = self.best([self.alpha(s) for s in live])
+            self._batch_k = self.best([self.alpha(s) for s in
+                                       (live if drafting is None else drafting)])
 
 
 if __name__ == "__main__":

@@ -33,14 +33,16 @@ class Speculator:
 
     def propose(self, running: SequenceOf[Sequence]) -> Proposals:
         """The proposal stage: drafts for every running sequence that may get some
-        (`num_drafts`), by seq_id. Sequences not running any more are forgotten first (a
-        draft model's shadow gives back its blocks). Changes no Sequence."""
+        (`room`, then the adaptive rule), by seq_id. Sequences not running any more are
+        forgotten first (a draft model's shadow gives back its blocks). Changes no
+        Sequence."""
         live = {seq.seq_id for seq in running}
         self.proposer.release(live)
-        self.adaptive.begin_step(live)
+        rooms = [(seq, self.room(seq)) for seq in running]
+        self.adaptive.begin_step(live, drafting={seq.seq_id for seq, r in rooms if r > 0})
         seqs, counts = [], []
-        for seq in running:
-            n = self.num_drafts(seq)
+        for seq, room in rooms:
+            n = min(self.adaptive.num_drafts(seq.seq_id), room) if room > 0 else 0
             if n > 0:
                 seqs.append(seq)
                 counts.append(n)
@@ -50,14 +52,14 @@ class Speculator:
                 for seq, proposal in zip(seqs, self.proposer.propose(seqs, counts))
                 if proposal.token_ids}
 
-    def num_drafts(self, seq: Sequence) -> int:
-        """How many drafts `seq` may get now: 0 unless it is decode-ready and its params
+    def room(self, seq: Sequence) -> int:
+        """The most drafts `seq` may get now: 0 unless it is decode-ready and its params
         allow speculation (no penalties, logit_bias, allowed_token_ids or bad_words
         (`rewrites_logits`), no logprobs, and min_tokens already reached: those
         need per-position logits processing the verify step does not do; a parent about to
-        fork samples its first token plainly). Otherwise the adaptive rule's k' (at most k),
-        capped so that the k' drafts and the recovered or bonus token exceed neither the
-        remaining max_tokens nor max_model_len: k' <= remaining - 1."""
+        fork samples its first token plainly). Otherwise as many as keep the drafts and the
+        recovered or bonus token within the remaining max_tokens and max_model_len:
+        remaining - 1. The adaptive rule's k' (at most k) is then capped by it."""
         sp = seq.sampling_params
         if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.awaiting_fork
                 or sp.rewrites_logits or sp.logprobs is not None
@@ -66,9 +68,7 @@ class Speculator:
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
         room = min(max_tokens - seq.num_output_tokens,
                    self.max_model_len - seq.num_tokens) - 1
-        if room < 1:
-            return 0
-        return min(self.adaptive.num_drafts(seq.seq_id), room)
+        return max(room, 0)
 
     def observe(self, update: StepUpdate) -> None:
         """After update: each verify row's (proposed, accepted) feeds the adaptive rule."""
