@@ -158,6 +158,9 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}: choose one of "
                              f"{', '.join(PREEMPTION_MODES)}")
+        if self.batching == "static" and self.preemption_mode != "recompute":
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} needs "
+                             "batching='continuous' (static batching preempts by recompute)")
         if (isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float))
                 or not self.swap_space >= 0):
             raise ValueError(f"swap_space={self.swap_space!r}: must be a number of GiB >= 0")

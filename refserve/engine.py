@@ -47,14 +47,9 @@ from refserve.outputs import RequestOutput
 from refserve.prompt_logprobs import score_prompt
 from refserve.request_intake import RequestIntake
 from refserve.sampling import Sampler, SamplingParams, make_generator
-from refserve.scheduler import (
-    SampledTokens,
-    Scheduler,
-    SchedulerOutput,
-    StaticScheduler,
-    StepUpdate,
-)
+from refserve.scheduler import SampledTokens, SchedulerOutput, StepUpdate
 from refserve.scheduler.drafts import Proposals, verify_inputs
+from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
 from refserve.speculation.draft_model import DraftModelProposer, load_draft_model
@@ -117,16 +112,9 @@ class LLMEngine(RequestIntake):
             and config.kv_cache_layout != "contiguous",
             prefix_caching_policy=config.prefix_caching_policy)
         self.num_host_blocks, self.bytes_per_block = plan.num_host_blocks, plan.bytes_per_block
-        scheduler_cls = StaticScheduler if config.batching == "static" else Scheduler
-        self.scheduler = scheduler_cls(
-            config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache_manager,
-            self.max_model_len, eos_token_id=self.eos_token_id,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            **({"scheduling_policy": config.scheduling_policy,
-                "preemption_mode": config.preemption_mode,
-                "host_pool": HostBlockPool(self.num_host_blocks)
-                if config.preemption_mode == "swap" else None}
-               if config.batching != "static" else {}))
+        self.scheduler = make_scheduler(
+            config, self.kv_cache_manager, self.max_model_len, self.eos_token_id,
+            HostBlockPool(self.num_host_blocks) if config.preemption_mode == "swap" else None)
         self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size,
                                   enforce_eager=config.enforce_eager,
                                   num_host_blocks=self.num_host_blocks)

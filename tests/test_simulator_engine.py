@@ -15,6 +15,7 @@ from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.metrics import RunSummary
 from refserve.scheduler.base import SchedulerBase
 from refserve.scheduler.continuous import Scheduler
+from refserve.scheduler.policy import LongestPrefixMatch
 from refserve.scheduler.static import StaticScheduler
 from refserve.simulator import (
     CostModel,
@@ -52,6 +53,19 @@ def test_the_simulator_runs_the_real_scheduler_and_kv_cache_manager():
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ == module.__name__:
                 assert not issubclass(cls, (SchedulerBase, KVCacheManager)), cls
+
+
+def test_the_simulator_runs_the_configs_cache_and_scheduling_policies():
+    """The same policies as the real engine (scheduler/factory.py), not the defaults."""
+    engine = small_engine(prefix_caching_policy="radix", scheduling_policy="lpm")
+    assert engine.kv_cache_manager.radix_tree is not None
+    assert isinstance(engine.scheduler.policy, LongestPrefixMatch)
+    assert small_engine().kv_cache_manager.radix_tree is None
+    requests = [SimRequest(f"r{i}", 0.1 * i, [7] * 40 + [i], [5] * 4) for i in range(6)]
+    summary = engine.run(requests).summary
+    assert summary.num_requests == 6 and summary.prefix_hit_rate > 0.5
+    with pytest.raises(ValueError, match="simulator prices no host"):
+        small_engine(preemption_mode="swap")
 
 
 def test_nothing_below_the_top_floor_imports_the_simulator():

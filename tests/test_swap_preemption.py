@@ -213,6 +213,9 @@ def test_swap_knobs_are_checked(tiny_folder):
         LLM(model=str(tiny_folder), progress=False, preemption_mode="swap",
             speculative_config={"method": "draft_model", "model": "self",
                                 "num_speculative_tokens": 2, "num_draft_layers": 1})
+    # static batching has no swap: refused, not silently run by recompute
+    with pytest.raises(ValueError, match="preemption_mode='swap' needs batching='continuous'"):
+        LLM(model=str(tiny_folder), progress=False, preemption_mode="swap", batching="static")
 
 
 def test_a_step_never_applied_carries_its_swap_copies():

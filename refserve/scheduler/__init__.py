@@ -5,6 +5,7 @@
     base.py        the queues, ADVANCE with PREEMPT, UPDATE and RETIRE (shared)
     continuous.py  Scheduler: continuous (iteration-level) batching, ADMIT every step
     static.py      StaticScheduler: request-level batching, for comparison
+    factory.py     make_scheduler: the one an EngineConfig asks for (engine and simulator)
     policy.py      scheduling_policy: fcfs / lpm / priority admission order, the victim
     row_plan.py    a row's tokens under the budget (hits, chunk, drafts) and its logits
     step_retry.py  the copies of a step that was never applied, carried into the next

@@ -41,7 +41,7 @@ from refserve.config import (
 from refserve.kv_cache import KVCacheManager
 from refserve.metrics import RequestMetrics, RunSummary, summarize
 from refserve.sampling_params import SamplingParams
-from refserve.scheduler import Scheduler, StaticScheduler
+from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import Sequence
 from refserve.simulator.cost_model import CostModel
 from refserve.simulator.hardware import GpuProfile, ModelShape
@@ -148,6 +148,11 @@ class SimulatedEngine:
         spec = config.speculative_config
         if spec is not None and outputs is not None:
             raise ValueError("give outputs= or a speculative_config, not both")
+        if config.preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap': the simulator prices no host <-> "
+                             "device copies, so it runs recompute preemption only; "
+                             "compare the two on the real engine (python -m refserve.bench "
+                             "preemption)")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: must be >= 1")
         if gpu.kind == "host" and tensor_parallel_size > 1:
@@ -165,12 +170,10 @@ class SimulatedEngine:
             self.block_size, draft, draft is not None and not spec.is_self_draft)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, self.block_size,
-            enable_prefix_caching=config.enable_prefix_caching and not contiguous)
-        scheduler_cls = StaticScheduler if config.batching == "static" else Scheduler
-        self.scheduler = scheduler_cls(
-            config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache_manager,
-            self.max_model_len, eos_token_id=model.eos_token_id,
-            long_prefill_token_threshold=config.long_prefill_token_threshold)
+            enable_prefix_caching=config.enable_prefix_caching and not contiguous,
+            prefix_caching_policy=config.prefix_caching_policy)
+        self.scheduler = make_scheduler(config, self.kv_cache_manager, self.max_model_len,
+                                        model.eos_token_id)
         self.cost_model = cost_model or CostModel(model, gpu, self.dtype, tensor_parallel_size)
         if spec is not None:
             outputs = SimulatedSpeculation(spec, self.cost_model, self.max_model_len,
