@@ -435,4 +435,3 @@ class SchedulerBase(Forking):
         if seq.seq_id in self._holding:
             self._holding.discard(seq.seq_id)
             self.kv_cache_manager.release(seq)
-

@@ -51,7 +51,7 @@ class StaticScheduler(SchedulerBase):
                 continue
             out.scheduled.append(ScheduledSequence(
                 seq, 1, seq.num_computed_tokens - 1, num_logits=0, is_padding=True,
-                block_ids=list(kv.get_block_ids(seq.seq_id))))
+                block_ids=kv.get_block_ids(seq.seq_id)))  # a copy already
             budget -= 1
         return self._end_step(out)
 

@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from refserve.scheduler.output import SchedulerOutput
     from refserve.sequence import Sequence
 
-from refserve.config import PREEMPTION_MODES  # noqa: F401  (the one list, re-exported)
-
 
 class Swapper:
     """The host pool, this step's victims, and the swap counters (module docstring)."""
@@ -86,7 +84,7 @@ class Swapper:
         host block of its table, plus the new blocks its next tokens reach."""
         host = self.host_pool.blocks_to_swap_in([seq.seq_id])
         end = seq.num_computed_tokens + num_new_tokens
-        return host + max(0, blocks_for_tokens(end, self.kv.block_size) - host)
+        return max(host, blocks_for_tokens(end, self.kv.block_size))
 
     def swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Readmit: the manager gives seq fresh blocks holding its host blocks' KV; the
