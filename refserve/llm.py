@@ -138,14 +138,13 @@ class LLM:
             continue_final_message=continue_final_message) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, on_step=on_step)
 
-    def _run(self, batch, params, use_tqdm, on_step, priorities=None) -> list[RequestOutput]:
+    def _run(self, batch, params, use_tqdm, on_step, priorities) -> list[RequestOutput]:
         """Queue the (validated) requests and step until all finish; on any exception
         (Ctrl-C included) abort what is left, so the engine is reusable."""
         engine = self.llm_engine
         stats_before = engine.stats()
         engine.reset_kv_blocks_peak()      # this call's peak, apart from the cumulative one
         start = time.perf_counter()
-        priorities = priorities or [0] * len(batch)
         ids = [engine.add_request(None, p, sp, priority=prio)
                for p, sp, prio in zip(batch, params, priorities)]
         results: dict[str, RequestOutput] = {}
