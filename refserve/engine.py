@@ -47,7 +47,7 @@ from refserve.outputs import RequestOutput
 from refserve.prompt_logprobs import score_prompt
 from refserve.request_intake import RequestIntake
 from refserve.sampling import Sampler, SamplingParams, make_generator
-from refserve.scheduler import SampledTokens, SchedulerOutput, StepUpdate
+from refserve.scheduler import ChildDraw, SampledTokens, SchedulerOutput, StepUpdate
 from refserve.scheduler.drafts import Proposals, verify_inputs
 from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import Sequence
@@ -56,6 +56,7 @@ from refserve.speculation.draft_model import DraftModelProposer, load_draft_mode
 from refserve.speculation.proposer import NgramProposer
 from refserve.speculation.speculator import Speculator
 from refserve.speculation.verify import verify
+from refserve.static_runner import StaticBatchRunner
 
 
 class EngineStepError(RuntimeError):
@@ -115,9 +116,11 @@ class LLMEngine(RequestIntake):
         self.scheduler = make_scheduler(
             config, self.kv_cache_manager, self.max_model_len, self.eos_token_id,
             HostBlockPool(self.num_host_blocks) if config.preemption_mode == "swap" else None)
-        self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size,
-                                  enforce_eager=config.enforce_eager,
-                                  num_host_blocks=self.num_host_blocks)
+        # Static batching's runner also computes its padding rows (static_runner.py).
+        runner = StaticBatchRunner if config.batching == "static" else ModelRunner
+        self.runner = runner(self.model, self.backend, num_blocks, self.block_size,
+                             enforce_eager=config.enforce_eager,
+                             num_host_blocks=self.num_host_blocks)
         self.sampler = Sampler()
         # Speculative decoding: the propose stage (None: every row samples one token).
         self.speculator = None
@@ -178,9 +181,9 @@ class LLMEngine(RequestIntake):
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                      params.spaces_between_special_tokens)
         seq.priority = priority
+        seq.generator = make_generator(seed, 0)
         self.scheduler.add_sequence(seq)  # gives the sequence its id
         req.seqs.append(seq)
-        req.generators[seq.seq_id] = make_generator(seed, 0)
         self.requests[request_id] = req
         if self.observer is not None:
             self.observer.arrive(request_id, now)
@@ -269,28 +272,23 @@ class LLMEngine(RequestIntake):
         rows = [s for s in out.scheduled if s.num_logits > 0]
         first = np.cumsum([0] + [s.num_logits for s in rows])  # row i: logits[first[i]:...]
         assert first[-1] == len(logits), f"{len(logits)} logits rows for {first[-1]} needed"
-        reqs = [self.requests[s.seq.request_id] for s in rows]
-        generators = [r.generators[s.seq.seq_id] for s, r in zip(rows, reqs)]
+        generators = [s.seq.generator for s in rows]
         states = [g.bit_generator.state for g in generators]
         plain = [i for i, s in enumerate(rows) if not s.draft_token_ids]
         verifying = [i for i, s in enumerate(rows) if s.draft_token_ids]
         result = SampledTokens()
         try:
-            tokens = self._sample_rows(logits[first[plain]], [rows[i].seq for i in plain],
-                                       [generators[i] for i in plain],
-                                       result.logprobs) if plain else []
-            for i, token in zip(plain, tokens):
-                s, req = rows[i], reqs[i]
-                result.token_ids[s.seq.seq_id] = [token]
-                if s.seq.awaiting_fork:
-                    firsts = []
-                    for child in range(1, req.params.n):
-                        gen = make_generator(req.seed, child)
-                        result.generators[(s.seq.seq_id, child)] = gen
-                        firsts += self._sample_rows(logits[first[i]:first[i] + 1],
-                                                    [s.seq], [gen], result.logprobs,
-                                                    [(s.seq.seq_id, child)])
-                    result.fork_token_ids[s.seq.seq_id] = firsts
+            if plain:
+                seqs = [rows[i].seq for i in plain]
+                tokens, logprobs = self._sample_rows(logits[first[plain]], seqs,
+                                                     [s.generator for s in seqs])
+                for i, seq, token, lp in zip(plain, seqs, tokens, logprobs):
+                    result.token_ids[seq.seq_id] = [token]
+                    if lp is not None:
+                        result.logprobs[seq.seq_id] = lp
+                    if seq.awaiting_fork:
+                        result.children[seq.seq_id] = self._draw_children(
+                            logits[first[i]:first[i] + 1], seq)
             if verifying:
                 drafts, q = zip(*(verify_inputs(rows[i], proposals or {}) for i in verifying))
                 emitted, _ = verify(
@@ -305,36 +303,52 @@ class LLMEngine(RequestIntake):
             raise
         return result
 
+    def _draw_children(self, logits: np.ndarray, parent: Sequence) -> list[ChildDraw]:
+        """The first token of each child 1..n-1 of `parent`'s request, from the parent's
+        logits row, each with the child's own new generator (seed + i)."""
+        seed = self.requests[parent.request_id].seed
+        draws = []
+        for index in range(1, parent.sampling_params.n):
+            generator = make_generator(seed, index)
+            (token,), (lp,) = self._sample_rows(logits, [parent], [generator])
+            draws.append(ChildDraw(token, generator, lp))
+        return draws
+
     def finish_step(self, out: SchedulerOutput, sampled: SampledTokens,
                     update: StepUpdate) -> list[RequestOutput]:
         """The last stage, after `scheduler.update` decided everything: the adaptive rule
-        learns from this step's verify rows, and every request that got tokens gets its
-        cumulative RequestOutput (output_processor.py: metrics, times, text as the stop
-        rules cut it); finished requests are forgotten."""
+        learns from this step's verify rows, forked children join their request, every
+        request that got tokens gets its cumulative RequestOutput (output_processor.py:
+        metrics, times, text as the stop rules cut it), and finished requests are
+        forgotten."""
         if self.speculator is not None:
             self.speculator.observe(update)
-        return make_outputs(self.requests, out, sampled, update, time.perf_counter())
+        for child in update.forked:
+            req = self.requests.get(child.request_id)
+            if req is not None:
+                req.seqs.append(child)
+        outputs = make_outputs(self.requests, out, update, time.perf_counter())
+        for output in outputs:
+            if output.finished:
+                del self.requests[output.request_id]
+        return outputs
 
     def _sample_rows(self, logits: np.ndarray, seqs: list[Sequence],
-                     generators: list[np.random.Generator], logprobs_out: dict,
-                     keys: list | None = None) -> list[int]:
+                     generators: list[np.random.Generator]
+                     ) -> tuple[list[int], list[dict | None]]:
         """The Sampler on one logits row per sequence, given what its logits processors
-        read (each sequence's prompt and output ids, EOS, bad-word tokens). Rows
-        asking for logprobs put theirs in `logprobs_out[key]` (key: seq_id, or (parent
-        seq_id, child index) for a child's first token)."""
+        read (each sequence's prompt and output ids, EOS, bad-word tokens). Returns the
+        tokens and, per row, the sampled token's logprobs (None unless asked for)."""
         params = [s.sampling_params for s in seqs]
         context = dict(prompt_token_ids=[s.prompt_token_ids for s in seqs],
                        output_token_ids=[s.output_token_ids for s in seqs],
                        eos_token_id=self.eos_token_id,
                        bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
         if all(p.logprobs is None for p in params):
-            return self.sampler.sample(logits, params, generators, **context)
+            return self.sampler.sample(logits, params, generators, **context), [None] * len(seqs)
         out = self.sampler.sample_with_logprobs(logits, params, generators,
                                                 decode=self.decode_token, **context)
-        for key, lp in zip(keys or [s.seq_id for s in seqs], out.logprobs):
-            if lp is not None:
-                logprobs_out[key] = lp
-        return out.token_ids
+        return out.token_ids, out.logprobs
 
     @property
     def kv_blocks_peak(self) -> int:

@@ -11,7 +11,7 @@ scheduler order), then the others (prefill chunks, speculative verifies), and fo
 
     positions        start, start+1, ..., start+q-1           (absolute positions)
     slot_mapping     slot(p) = block_table[p // block_size] * block_size + p % block_size
-                     (kv_cache.block_table.slot_mapping; -1 for a padding row: write nothing)
+                     (kv_cache.block_table.slot_mapping)
     context_lens     start + q                                 (keys visible after the writes)
     query_start_loc  running sum of q                          (where each row's tokens begin)
     block_tables     the row's block ids, padded with PAD_BLOCK (-1)
@@ -129,8 +129,11 @@ class ModelRunner:
         """Flatten `out.scheduled` into a `ModelInputs` (host arrays, decodes first) and
         build the step's `AttentionMetadata` (arrays moved to the device once, scalars
         computed on the host once). Raises ValueError on an impossible row."""
-        rows = list(out.scheduled)
-        q_lens = [1 if s.is_padding else s.num_tokens for s in rows]
+        return self.prepare_rows(out.scheduled)
+
+    def prepare_rows(self, rows) -> ModelInputs:
+        """`prepare` for a list of rows (ScheduledSequence)."""
+        q_lens = [s.num_tokens for s in rows]
         # Decodes first (stable: scheduler order inside each group).
         order = ([i for i, q in enumerate(q_lens) if q == 1]
                  + [i for i, q in enumerate(q_lens) if q != 1])
@@ -151,28 +154,24 @@ class ModelRunner:
             first_token[i] = lo
             table = s.block_ids
             block_tables[flat, :len(table)] = table  # one slice copy from an int32 array
-            if s.is_padding:
-                # Static batching: a finished sequence still holds its seat. Recompute its
-                # last cached token (real work, nothing written, result thrown away).
-                start = s.start
-                input_ids[lo] = s.seq.token_ids[start]
-                slots[lo] = -1
-            else:
-                start = s.start
-                input_ids[lo:hi] = query_tokens(s)
-            positions[lo:hi] = np.arange(start, start + (hi - lo))
-            if not s.is_padding:
-                # The row's own table, not the padded row: a position without a block raises
-                # IndexError instead of turning PAD_BLOCK into a negative slot.
-                slots[lo:hi] = compute_slots(block_tables[flat, :len(table)], positions[lo:hi],
-                                             self.block_size)
-            context_lens[flat] = start + (hi - lo)
+            input_ids[lo:hi] = query_tokens(s)
+            positions[lo:hi] = np.arange(s.start, s.start + (hi - lo))
+            # The row's own table, not the padded row: a position without a block raises
+            # IndexError instead of turning PAD_BLOCK into a negative slot.
+            slots[lo:hi] = compute_slots(block_tables[flat, :len(table)], positions[lo:hi],
+                                         self.block_size)
+            context_lens[flat] = s.start + (hi - lo)
         # Logits rows in scheduler order: each row's last num_logits tokens.
         logits_indices = []
         for i, s in enumerate(rows):
             end = int(first_token[i]) + q_lens[i]  # one past the row's last token
-            logits_indices.extend(range(end - (0 if s.is_padding else s.num_logits), end))
+            logits_indices.extend(range(end - s.num_logits, end))
         logits_indices = np.array(logits_indices, dtype=np.int64)
+        return self._inputs(input_ids, positions, slots, block_tables, context_lens,
+                            query_start_loc, logits_indices, np.array(order, dtype=np.int64))
+
+    def _inputs(self, input_ids, positions, slots, block_tables, context_lens,
+                query_start_loc, logits_indices, row_order) -> ModelInputs:
         to_dev = self.backend.to_device
         attn = AttentionMetadata.build(slots, query_start_loc, context_lens, block_tables,
                                        to_device=to_dev)
@@ -180,7 +179,7 @@ class ModelRunner:
             input_ids=input_ids, positions=positions, slot_mapping=slots,
             block_tables=block_tables, context_lens=context_lens,
             query_start_loc=query_start_loc, logits_indices=logits_indices,
-            row_order=np.array(order, dtype=np.int64), attn=attn,
+            row_order=row_order, attn=attn,
             input_ids_device=to_dev(input_ids), positions_device=to_dev(positions),
             logits_indices_device=to_dev(logits_indices))
 

@@ -1,29 +1,25 @@
 """After `scheduler.update`: what a step means for its callers, as `RequestOutput`s.
 
-`update` already decided everything (which tokens were appended, which sequences stopped and
-why, where a stop string cuts the text: scheduler/stop_rules.py). This module only reports
-it, reading the `StepUpdate` and the `SampledTokens` it is given, never the scheduler or the
-engine:
+`update` already decided everything (which tokens and logprobs were appended, which sequences
+stopped and why, where a stop string cuts the text: scheduler/stop_rules.py). This module only
+reports it, reading the `StepUpdate` it is given and the sequences, never the scheduler:
 
-    register forked children   their generators and first logprobs, from SampledTokens
     count target passes        one per sampling row; a verify row's (proposed, accepted)
     stamp times                first token, finish
     build outputs              the cumulative `RequestOutput` of every request that got
-                               tokens (vLLM's default output kind), and forget the finished
+                               tokens (vLLM's default output kind)
 
-`LLMEngine.finish_step` calls `make_outputs` last in a step.
+`LLMEngine.finish_step` calls `make_outputs` last in a step (and forgets finished requests).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from refserve.metrics import RequestMetrics
 from refserve.outputs import CompletionOutput, RequestOutput
 from refserve.sampling_params import SamplingParams
-from refserve.scheduler.output import SampledTokens, SchedulerOutput, StepUpdate
+from refserve.scheduler.output import SchedulerOutput, StepUpdate
 from refserve.sequence import Sequence
 
 
@@ -38,8 +34,6 @@ class RequestState:
     metrics: RequestMetrics
     seed: int | None = None  # its own seed, else one drawn from the engine's seed
     seqs: list[Sequence] = field(default_factory=list)
-    generators: dict[int, np.random.Generator] = field(default_factory=dict)
-    logprobs: dict[int, list] = field(default_factory=dict)  # seq_id → one dict per token
     prompt_logprobs: list | None = None
 
     @property
@@ -49,19 +43,9 @@ class RequestState:
 
 
 def make_outputs(requests: dict[str, RequestState], out: SchedulerOutput,
-                 sampled: SampledTokens, update: StepUpdate, now: float
-                 ) -> list[RequestOutput]:
-    """One RequestOutput per request that got tokens in this step; finished requests are
-    removed from `requests` (see the module docstring)."""
-    for child in update.forked:
-        req = requests.get(child.request_id)
-        if req is None:
-            continue
-        req.seqs.append(child)
-        key = (req.seqs[0].seq_id, child.child_index)
-        req.generators[child.seq_id] = sampled.generators[key]
-        if key in sampled.logprobs:
-            req.logprobs[child.seq_id] = [sampled.logprobs[key]]
+                 update: StepUpdate, now: float) -> list[RequestOutput]:
+    """One RequestOutput per request that got tokens in this step (see the module
+    docstring); changes only the requests' metrics and their sequences' times."""
     touched: dict[str, RequestState] = {}
     for row in out.scheduled:
         seq = row.seq
@@ -70,8 +54,6 @@ def make_outputs(requests: dict[str, RequestState], out: SchedulerOutput,
             continue  # no tokens this step, or aborted since schedule()
         touched[req.request_id] = req
         _count_pass(req.metrics, update.verified.get(seq.seq_id))
-        if seq.seq_id in sampled.logprobs:
-            req.logprobs.setdefault(seq.seq_id, []).append(sampled.logprobs[seq.seq_id])
     for seq in [row.seq for row in out.scheduled] + update.forked:
         req = touched.get(seq.request_id)
         if req is not None:
@@ -80,7 +62,6 @@ def make_outputs(requests: dict[str, RequestState], out: SchedulerOutput,
     for req in touched.values():
         if req.finished:
             _finish_metrics(req, now)
-            del requests[req.request_id]
         outputs.append(make_output(req))
     return outputs
 
@@ -139,9 +120,7 @@ def make_output(req: RequestState) -> RequestOutput:
             if params.stop and not params.include_stop_str_in_output else 0)
     completions = []
     for i, seq in enumerate(sorted(req.seqs, key=lambda s: s.child_index)):
-        lps = req.logprobs.get(seq.seq_id) if params.logprobs is not None else None
-        if params.logprobs is not None:
-            lps = lps or []
+        lps = list(seq.output_logprobs) if params.logprobs is not None else None
         cumulative = (None if lps is None else float(sum(
             d[t].logprob for d, t in zip(lps, seq.output_token_ids))))
         completions.append(CompletionOutput(

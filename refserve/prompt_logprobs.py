@@ -25,7 +25,6 @@ def score_prompt(engine, token_ids: list[int], num_logprobs: int) -> list:
     result: list = [None]
     for start in range(0, n, chunk):
         size = min(chunk, n - start)
-        seq.num_computed_tokens = start
         out = SchedulerOutput(step=0, scheduled=[ScheduledSequence(
             seq, size, start, size, block_ids=list(range(num_blocks)))])
         logits = runner.forward(runner.prepare(out))

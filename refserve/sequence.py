@@ -13,6 +13,9 @@ KV-cache manager need to know about a sequence lives here:
                          reaches num_tokens the last logits sample the next token.
     detokenizer          the output's text, grown token by token as tokens are appended
                          (None without a tokenizer); the stop rules read it
+    generator            its own random stream (seed + child index; the engine's sampling
+                         stage draws from it), and output_logprobs, one dict per output
+                         token when the request asks for logprobs
     stop_reason, output_text_end   what the stop rules decided (scheduler/stop_rules.py)
 
 Invariant: 0 <= num_computed_tokens <= num_tokens, and num_computed_tokens == num_tokens only
@@ -23,6 +26,8 @@ after the sequence finished).
 from __future__ import annotations
 
 import enum
+
+import numpy as np
 
 from refserve.detokenizer import IncrementalDetokenizer
 from refserve.sampling_params import SamplingParams
@@ -77,6 +82,8 @@ class Sequence:
         # token). Until then it reserves n seats in the running batch.
         self.child_index = 0
         self.awaiting_fork = sampling_params.n > 1
+        self.generator: np.random.Generator | None = None
+        self.output_logprobs: list[dict] = []
         # Times filled in by the engine (seconds, time.perf_counter clock).
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -106,11 +113,16 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
-    def fork(self, seq_id: int | None = None) -> Sequence:
-        """A child with the same tokens and computed state (its blocks are shared by the
-        KV-cache manager's `fork`, not here)."""
+    def fork(self, seq_id: int | None = None, child_index: int = 0,
+             generator: np.random.Generator | None = None) -> Sequence:
+        """Child `child_index` of a parallel-sampling request: the same tokens and computed
+        state, its own generator (its blocks are shared by the KV-cache manager's `fork`,
+        not here)."""
         child = Sequence(self.request_id, self.prompt_token_ids, self.sampling_params,
                          self.arrival_time, seq_id)
+        child.child_index = child_index
+        child.generator = generator
+        child.output_logprobs = list(self.output_logprobs)
         child.output_token_ids = list(self.output_token_ids)
         child.token_ids = list(self.token_ids)
         child.status = self.status

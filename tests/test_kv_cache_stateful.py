@@ -6,7 +6,7 @@ array at the slots from slot_mapping), sample tokens, fork, preempt and readmit,
 look up prefixes, and speculate (a verify step: the last token plus draft tokens computed
 at once, some drafts rejected, their K/V un-computed and the blocks they alone used trimmed).
 Small pools make allocations fail and cached blocks get evicted. Both prefix-caching
-policies run the same rules: the hash chain and the radix tree (radix_policy.py), whose
+policies run the same rules: the hash chain and the radix tree (radix_cache.py), whose
 tree holds one reference of its own on each cached block.
 
 The shadow KV stores, for every slot, the token id whose K/V would be there. So "the cache
@@ -21,9 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from refserve.capacity import blocks_for_tokens
-from refserve.kv_cache import KVCacheManager, NoFreeBlocksError
+from refserve.kv_cache import KVCacheManager
 from refserve.sampling import SamplingParams
-from refserve.scheduler.drafts import roll_back
 from refserve.sequence import Sequence
 
 # Three prompts that share leading tokens, so block-aligned prefixes repeat.
@@ -87,14 +86,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.check_hit_blocks(seq, blocks, hit_tokens)
         n = min(chunk, seq.num_tokens - hit_tokens)
         free_before = m.num_available_blocks
-        ok = m.can_allocate(seq, n, blocks)
-        try:
-            copies = m.allocate_slots(seq, n, blocks)
-        except NoFreeBlocksError:
-            assert not ok
+        copies = m.allocate_slots(seq, n, blocks)
+        if copies is None:  # the pool is short: atomic, nothing changed
             assert not m.has_sequence(seq.seq_id) and m.num_available_blocks == free_before
             return False
-        assert ok
         assert copies == []  # a new sequence shares only hit blocks, which it never writes
         seq.num_computed_tokens += hit_tokens
         self.running.append(seq)
@@ -121,15 +116,11 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         m = self.manager
         blocks_before, free_before = m.get_block_ids(seq.seq_id), m.num_available_blocks
-        ok = m.can_allocate(seq, n)
-        try:
-            copies = m.allocate_slots(seq, n)
-        except NoFreeBlocksError:
-            assert not ok  # atomic: nothing changed
+        copies = m.allocate_slots(seq, n)
+        if copies is None:  # atomic: nothing changed
             assert m.get_block_ids(seq.seq_id) == blocks_before
             assert m.num_available_blocks == free_before
             return
-        assert ok
         self.write(seq, copies, n)
 
     @precondition(lambda self: self.running)
@@ -145,18 +136,17 @@ class KVCacheMachine(RuleBasedStateMachine):
     def speculate(self, index, drafts, num_accepted, last):
         """A verify step as the scheduler and engine run it: the last real token and the
         drafts get slots and K/V, `num_accepted` drafts are kept and one recovered (or bonus)
-        token appended, then `drafts.roll_back` un-computes the rejected drafts
+        token appended, then the roll back un-computes the rejected drafts
         (num_computed_tokens = min(computed, num_tokens - 1)) and trims the blocks beyond
-        the tokens."""
+        the tokens (as Scheduler.update does)."""
         seq = self.pick(index)
         if seq.num_computed_tokens != seq.num_tokens - 1:
             return
         m = self.manager
         num_accepted = min(num_accepted, len(drafts))
         start, n = seq.num_computed_tokens, 1 + len(drafts)
-        try:
-            copies = m.allocate_slots(seq, n)
-        except NoFreeBlocksError:
+        copies = m.allocate_slots(seq, n)
+        if copies is None:
             return
         for src, dst in copies:
             self.shadow[dst] = list(self.shadow[src])
@@ -173,8 +163,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             seq.append_token(last if last != rejected else last + 1)
         else:
             seq.append_token(last)  # the bonus token
-        seq.num_computed_tokens = start + n
-        roll_back(seq, m)
+        seq.num_computed_tokens = min(start + n, seq.num_tokens - 1)
+        m.trim(seq, seq.num_tokens)
         assert seq.num_computed_tokens == seq.num_tokens - 1
         # what was allocated for the verify, minus the blocks past the kept tokens
         assert len(m.get_block_ids(seq.seq_id)) == min(

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from refserve.kv_cache import KVCacheManager, NoFreeBlocksError, prefix_cache
-from refserve.kv_cache.prefix_cache import BlockKey, PrefixCache
+from refserve.kv_cache import BlockAllocator, KVCacheManager, prefix_cache
+from refserve.kv_cache.prefix_cache import BlockKey, HashChainCache
 from refserve.sampling import SamplingParams
 from refserve.sequence import Sequence
 
@@ -113,10 +113,7 @@ def test_evictable_hit_blocks_are_revived_and_counted_once():
     assert hit_tokens == 3 * BS
     # Needs the 3 revived blocks + 1 new = 4 <= 4 available: counting revived blocks as
     # both "available" and "already mine" would wrongly allow 2 new blocks too.
-    assert manager.can_allocate(b, 1, blocks)
-    assert not manager.can_allocate(b, BS + 1, blocks)
-    with pytest.raises(NoFreeBlocksError):
-        manager.allocate_slots(b, BS + 1, blocks)
+    assert manager.allocate_slots(b, BS + 1, blocks) is None
     assert not manager.has_sequence(b.seq_id)  # atomic: nothing changed
     assert manager.num_available_blocks == 4 and manager.num_evictable_blocks == 3
     manager.check_invariants()
@@ -203,14 +200,21 @@ def test_collision_guard_with_constant_hash(monkeypatch):
 
 
 def test_prefix_cache_keeps_first_block_for_a_duplicate_prefix():
-    cache = PrefixCache()
-    key = BlockKey(None, (1, 2))
-    assert cache.insert(key, 5) is key
-    assert cache.insert(BlockKey(None, (1, 2)), 6) is key
-    assert cache.lookup(BlockKey(None, (1, 2))) == 5
-    assert not cache.is_cached(6)
-    assert cache.evict(5) and not cache.evict(5)
-    assert cache.lookup(key) is None
+    allocator = BlockAllocator(2)
+    cache = HashChainCache(2, allocator)
+    first, second = allocator.allocate(), allocator.allocate()
+    for seq_id, block in ((0, first), (1, second)):
+        cache.attach(seq_id, [])
+        cache.cache_full_blocks(seq_id, [1, 2, 3], [block], 1)
+    assert cache.lookup([1, 2, 3]) == [first] and len(cache) == 1
+    assert not cache.is_cached(second)
+    assert cache.num_cached_blocks_of(1) == 1  # chained on the first block's key
+    for seq_id, block in ((0, first), (1, second)):
+        cache.release(seq_id, [block])
+    assert cache.num_evictable_blocks == 1
+    assert cache.take_block() == (second, False)  # uncached: at the head, reused first
+    assert cache.take_block() == (first, True)  # then the cached block is evicted
+    assert cache.lookup([1, 2, 3]) == []
 
 
 # ---- copy-on-write -----------------------------------------------------------------------
@@ -264,10 +268,8 @@ def test_cow_is_atomic_when_pool_is_short():
     children[0].append_token(3)
     manager.allocate_slots(children[0], 1)  # takes the last free block for its copy
     children[1].append_token(3)
-    assert not manager.can_allocate(children[1], 1)
     before = manager.get_block_ids(children[1].seq_id)
-    with pytest.raises(NoFreeBlocksError):
-        manager.allocate_slots(children[1], 1)
+    assert manager.allocate_slots(children[1], 1) is None
     assert manager.get_block_ids(children[1].seq_id) == before
     manager.check_invariants()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -60,18 +61,22 @@ class FakeRunner:
         self.copy(out.block_copies, self.slots, self.slots, bs)
         sampled: dict[int, list[int]] = {}
         seen: set[int] = set()
-        for row in out.scheduled:
+        for row in out.padding:
+            seq = row.seq
+            assert seq.is_finished and not row.num_logits and row.num_tokens == 1
+            assert row.start == seq.num_computed_tokens - 1
+        padding = [(row, True) for row in out.padding]
+        for row, is_padding in [(row, False) for row in out.scheduled] + padding:
             seq = row.seq
             assert seq.seq_id not in seen, "a sequence is scheduled twice in one step"
             seen.add(seq.seq_id)
             assert row.num_tokens >= 1
-            if row.is_padding:
-                assert seq.is_finished and not row.samples and row.num_tokens == 1
-                assert row.start == seq.num_computed_tokens - 1
-            else:
+            if not is_padding:
                 assert seq.status is SequenceStatus.RUNNING
-                assert row.start == seq.num_computed_tokens
-                assert row.samples == (row.end == seq.num_tokens)
+                # Past the computed tokens only by the prefix-cache hits of an admission.
+                assert row.start == seq.num_computed_tokens or (
+                    seq.num_computed_tokens == 0 and row.start % bs == 0)
+                assert bool(row.num_logits) == (row.end == seq.num_tokens)
                 slots = self.kv.slot_mapping(seq.seq_id, row.start, row.end)
                 for position, slot in zip(range(row.start, row.end), slots, strict=True):
                     self.slots[slot] = (position, seq.token_ids[position])
@@ -81,7 +86,7 @@ class FakeRunner:
                 assert self.slots.get(slot) == (position, seq.token_ids[position]), (
                     f"seq {seq.seq_id} position {position}: KV slot {slot} holds "
                     f"{self.slots.get(slot)}")
-            if row.samples:
+            if row.num_logits:
                 sampled[seq.seq_id] = [stub_next_token(seq.request_id, row.end)]
         return sampled
 
@@ -263,7 +268,8 @@ def check_random_workload(batching, policy, preemption, w):
         out = sched.schedule()
         num_steps += 1
         assert num_steps <= bound, "the loop does not terminate"
-        assert out.num_batched_tokens == sum(row.num_tokens for row in out.scheduled)
+        assert out.num_batched_tokens == sum(row.num_tokens
+                                         for row in out.scheduled + out.padding)
         assert 1 <= out.num_batched_tokens <= w["budget"]
         assert len(out.scheduled) <= w["max_num_seqs"]
         assert sum(seq.num_seats for seq in block_holders(sched)) <= w["max_num_seqs"]
@@ -599,9 +605,9 @@ def test_static_padding_keeps_seat_and_blocks_until_the_batch_ends():
     sched.add_sequence(late)
     for _ in range(3):
         out, retired = step(sched, runner)
-        pad = [row for row in out.scheduled if row.is_padding]
-        assert [row.seq for row in pad] == [short]
-        assert (pad[0].num_tokens, pad[0].start, pad[0].samples) == (1, 4, False)
+        pad = out.padding
+        assert [row.seq for row in pad] == [short] and short not in [r.seq for r in out.scheduled]
+        assert (pad[0].num_tokens, pad[0].start, pad[0].num_logits) == (1, 4, 0)
         assert out.admitted == [] and late in sched.waiting
         assert "padding" in str(out)
     assert retired == [long_]
@@ -669,7 +675,7 @@ def test_fork_validates_before_changing_anything():
     kv.check_invariants()
 
 
-def test_update_rejects_an_empty_token_list_and_rows_have_tokens():
+def test_update_rejects_an_empty_token_list():
     sched, kv, runner = make()
     a = make_seq("a", 5, 4)
     sched.add_sequence(a)
@@ -679,12 +685,10 @@ def test_update_rejects_an_empty_token_list_and_rows_have_tokens():
     assert a.num_computed_tokens == 0 and a.num_output_tokens == 0
     retry = sched.schedule()
     assert [(r.start, r.num_tokens, r.num_logits) for r in retry.scheduled] == [(0, 5, 1)]
-    with pytest.raises(AssertionError):
-        ScheduledSequence(a, 0, 0, num_logits=0)
 
 
 def test_update_forks_children_only_when_the_step_is_applied():
-    from refserve.scheduler import SampledTokens
+    from refserve.scheduler import ChildDraw, SampledTokens
 
     sched, kv, runner = make(block_size=4, max_num_seqs=3)
     parent = make_seq("p", 6, 3, n=3)
@@ -692,9 +696,12 @@ def test_update_forks_children_only_when_the_step_is_applied():
     out = sched.schedule()
     assert sched.running == [parent] and parent.num_seats == 3
     runner.execute(out)  # writes the prompt's K/V into the fake cache
-    sampled = SampledTokens({parent.seq_id: [7]}, fork_token_ids={parent.seq_id: [8, 9]})
+    generators = [np.random.default_rng(i) for i in (1, 2)]
+    sampled = SampledTokens({parent.seq_id: [7]}, children={parent.seq_id: [
+        ChildDraw(8, generators[0]), ChildDraw(9, generators[1])]})
     children = sched.update(out, sampled).forked
     assert [c.child_index for c in children] == [1, 2]
+    assert [c.generator for c in children] == generators  # each child's own stream
     assert [c.output_token_ids for c in (parent, *children)] == [[7], [8], [9]]
     assert all(c.num_computed_tokens == 6 for c in (parent, *children))
     assert sched.running == [parent, *children] and sched.num_seats_used == 3

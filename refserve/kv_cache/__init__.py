@@ -2,8 +2,8 @@
 
     BlockAllocator   fixed pool of physical blocks, O(1) free queue, ref counts
     BlockTable       one sequence's logical -> physical block map, slot arithmetic
-    PrefixCache      hash chain of full blocks, so equal prefixes share blocks
-    HashPolicy       the hash chain behind the manager (RadixPolicy: the radix tree)
+    PrefixCache      the prefix cache interface (prefix_cache.py: the hash chain,
+                     HashChainCache; radix_cache.py: the radix tree, RadixCache)
     KVCacheManager   what the scheduler talks to (allocate, copy-on-write, fork, free)
 
 The names are imported on first use rather than here, so that each module's demo
@@ -19,7 +19,9 @@ _WHERE = {
     "BlockTable": "block_table",
     "KVCacheManager": "kv_cache_manager",
     "BlockKey": "prefix_cache",
+    "HashChainCache": "prefix_cache",
     "PrefixCache": "prefix_cache",
+    "RadixCache": "radix_cache",
 }
 
 __all__ = sorted(_WHERE)

@@ -1,53 +1,49 @@
 """The KV-cache manager: the one object the scheduler asks for KV-cache space.
 
-It owns the `BlockAllocator` (physical blocks and ref counts), one `BlockTable` per live
-sequence, and the prefix-caching policy: the `PrefixCache` hash chain ("hash", vLLM's, the
-default; hash_policy.py) or the radix tree ("radix", SGLang's; radix_policy.py). Both
-policies answer the same questions (lookup, revive_cost, attach, fork, cache_full_blocks,
-trim, release, take_block, the held / evictable / free counts, check_invariants), so this
-class never asks which one it has; only where the hits come from and which block is evicted
-differ. The plan of an allocation (new blocks, copy-on-write, blocks needed) is
-allocation_plan.py. The backend never sees any of this: it only receives `slot_mapping`,
-`block_tables` and the copy-on-write pairs.
+It owns the `BlockAllocator` (physical blocks and ref counts), one `BlockTable` per sequence
+that holds blocks, and the prefix cache in use (prefix_cache.py: the hash chain, the radix
+tree, or nothing when prefix caching is off). The backend never sees any of this: it only
+receives `slot_mapping`, `block_tables` and the copy-on-write pairs.
 
-Who advances what. The manager only *reads* `seq.num_computed_tokens` and `seq.token_ids`;
-it never writes to a Sequence. The scheduler, after `allocate_slots`, advances
-`seq.num_computed_tokens` by the prefix-cache hit tokens (on admission) and, once the step
-ran, by the tokens it computed; it also sets `seq.num_cached_tokens`.
+Who writes what. The manager only *reads* `seq.num_computed_tokens` and `seq.token_ids`; it
+never writes to a Sequence. "Does this sequence hold blocks?" is `has_sequence` here, asked
+by everyone, kept nowhere else.
 
 A typical life:
 
-    blocks, hit_tokens = manager.get_computed_blocks(seq)        # admission: cache lookup
-    copies = manager.allocate_slots(seq, n, blocks)               # may raise NoFreeBlocksError
-    seq.num_computed_tokens += hit_tokens                         # scheduler
-    ... backend.copy_blocks(copies); forward writes K/V at
-        manager.slot_mapping(seq.seq_id, start, start + n) ...
-    seq.num_computed_tokens += n                                  # scheduler, after the step
-    manager.cache_full_blocks(seq)                                # newly full blocks findable
-    ...
-    manager.release(seq)                                          # finished or preempted
+    blocks, hit_tokens = manager.get_computed_blocks(seq)     # admission: cache lookup
+    copies = manager.allocate_slots(seq, n, blocks)            # None: the pool is short
+    ... backend.copy_blocks(copies); the forward writes K/V at positions
+        [num_computed + hit_tokens, ... + n) through the block table ...
+    manager.cache_full_blocks(seq)                             # after the step
+    manager.release(seq)                                       # finished or preempted
+
+One allocation, one plan (vLLM's shape: the scheduler reads "while allocate_slots(...) is
+None: preempt the victim"). For a sequence asking for n more positions (bs = block_size):
+
+    attach  = the hit blocks, on its first call only (else [])
+    start   = seq.num_computed_tokens + len(attach) * bs          first position written
+    end     = start + n
+    new     = max(0, ceil(end / bs) - blocks held)                 fresh blocks appended
+    cow     = held blocks in [start // bs, ceil(end / bs)) with ref count > 1: each is
+              written, so each needs a private copy first
+    needed  = revived + new + len(cow)      (revived: attached hits that are evictable now)
+
+`allocate_slots` computes this once; if needed > available blocks it returns None and
+changes nothing, else it carries the plan out and cannot fail.
 
 Copy-on-write. Blocks are shared (ref count > 1) after `fork` (parallel sampling: children
 share the prompt) and after prefix-cache hits. A shared block must never be written, or the
-other holders would see the new K/V. So before a sequence writes a position that lies in a
-shared block, `allocate_slots` gives it a private block, returns the pair (src, dst) for the
-backend to copy, and drops one reference from the old block. The last holder (ref count 1)
-writes in place. Hit blocks are never written (writes start after them), so in practice a
-copy happens for the partly filled last block of a forked sequence.
-
-The pool, in three words (one meaning each):
-    held       ref count > 0: some block table holds it
-    evictable  ref count 0, but its KV is still in the prefix cache: a hit revives it, an
-               allocation that reaches it evicts it (least recently released first)
-    free       ref count 0 and nothing reusable in it
-    held + evictable + free == num_blocks; an allocation can take evictable + free
-    (`num_available_blocks`), so a full cache never blocks a new request.
+other holders would see the new K/V. So before a sequence writes a position in a shared
+block, `allocate_slots` gives it a private block, returns the pair (src, dst) for the backend
+to copy, and drops one reference from the old block. The last holder (ref count 1) writes in
+place. Hit blocks are never written (writes start after them), so in practice a copy happens
+for the partly filled last block of a forked sequence.
 
 Invariants (`check_invariants`):
     * held + evictable + free == num_blocks, and the evictable count is exact
-    * ref count of a block == number of block tables that hold it
+    * ref count of a block == number of block tables that hold it (+ the radix tree's own)
     * a table never holds the same block twice
-    * a block is cached under at most one key, and the cache maps are inverse
 """
 
 from __future__ import annotations
@@ -57,13 +53,10 @@ from typing import TYPE_CHECKING
 
 from refserve.capacity import blocks_for_tokens
 from refserve.config import PREFIX_CACHING_POLICIES
-from refserve.kv_cache.allocation_plan import AllocationPlan, plan_allocation
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
 from refserve.kv_cache.block_table import BlockTable
-from refserve.kv_cache.hash_policy import HashPolicy
 from refserve.kv_cache.host_pool import HostBlockPool
-from refserve.kv_cache.prefix_cache import PrefixCache
-from refserve.kv_cache.radix_policy import RadixPolicy
+from refserve.kv_cache.prefix_cache import PrefixCache, make_prefix_cache
 
 if TYPE_CHECKING:
     from refserve.sequence import Sequence
@@ -85,13 +78,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_caching_policy = prefix_caching_policy
         self.allocator = BlockAllocator(num_blocks)
-        self.prefix_cache = PrefixCache()  # the hash chain (stays empty under "radix")
-        # Who finds the hits and evicts: the radix tree, or the hash chain (also with
-        # caching off: nothing is inserted then, so every block is plain held or free).
-        self._policy: HashPolicy | RadixPolicy = (
-            RadixPolicy(block_size, self.allocator)
-            if enable_prefix_caching and prefix_caching_policy == "radix"
-            else HashPolicy(block_size, self.allocator, self.prefix_cache))
+        # Who finds the hits and evicts: the hash chain, the radix tree, or nobody.
+        self.prefix_cache: PrefixCache = make_prefix_cache(
+            enable_prefix_caching, prefix_caching_policy, block_size, self.allocator)
         self._tables: dict[int, BlockTable] = {}
         # Prefix-cache hit rate, counted in tokens. A sequence is counted when it gets its
         # first blocks (its admission): queried += its num_tokens, hit += tokens found in
@@ -112,17 +101,17 @@ class KVCacheManager:
     def num_held_blocks(self) -> int:
         """Blocks some block table holds (hash: ref count > 0; radix: the tree's own
         reference on an evictable block does not count)."""
-        return self._policy.num_held_blocks
+        return self.prefix_cache.num_held_blocks
 
     @property
     def num_evictable_blocks(self) -> int:
         """Blocks no table holds whose KV is still cached: a prefix hit can revive them."""
-        return self._policy.num_evictable_blocks
+        return self.prefix_cache.num_evictable_blocks
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no table holds and the cache does not need."""
-        return self._policy.num_free_blocks
+        return self.prefix_cache.num_free_blocks
 
     @property
     def num_available_blocks(self) -> int:
@@ -133,18 +122,18 @@ class KVCacheManager:
     def radix_tree(self):
         """The RadixCache under prefix_caching_policy="radix" (to print or draw it with
         radix_draw.draw_radix_tree); None under "hash" or with caching off."""
-        return self._policy.tree if isinstance(self._policy, RadixPolicy) else None
+        from refserve.kv_cache.radix_cache import RadixCache
+
+        return self.prefix_cache if isinstance(self.prefix_cache, RadixCache) else None
 
     def cached_blocks(self) -> dict[int, tuple[int, ...]]:
         """Every cached block (held or evictable) -> the tokens whose KV it holds."""
-        return self._policy.cached_blocks()
+        return self.prefix_cache.cached_blocks()
 
     def prefix_match_length(self, seq: Sequence) -> int:
         """Tokens of seq a lookup would hit now, changing nothing (what the lpm scheduling
         policy sorts by); 0 when caching is off."""
-        if not self.enable_prefix_caching:
-            return 0
-        return self._policy.match_length(seq.token_ids)
+        return self.prefix_cache.match_length(seq.token_ids)
 
     def usage(self) -> float:
         """Fraction of the pool held by some sequence (evictable blocks are not held)."""
@@ -175,58 +164,50 @@ class KVCacheManager:
         (num_tokens - 1) // block_size blocks hit; a prompt of exactly 3 full blocks gets at
         most 2. Returns ([], 0) when prefix caching is disabled or seq already has blocks.
         """
-        if not self.enable_prefix_caching or seq.seq_id in self._tables:
+        if seq.seq_id in self._tables:
             return [], 0
-        blocks = self._policy.lookup(seq.token_ids)
+        blocks = self.prefix_cache.lookup(seq.token_ids)
         return blocks, len(blocks) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------
 
-    def _plan(self, seq: Sequence, num_new_tokens: int,
-              computed_blocks: SequenceOf[int]) -> AllocationPlan:
-        """What allocate_slots would do, without doing it (allocation_plan.py)."""
-        return plan_allocation(seq, num_new_tokens, computed_blocks,
-                               self._tables.get(seq.seq_id), self.block_size,
-                               self.allocator, self._policy)
-
-    def can_allocate(self, seq: Sequence, num_new_tokens: int,
-                     computed_blocks: SequenceOf[int] = ()) -> bool:
-        """Whether allocate_slots(seq, num_new_tokens, computed_blocks) would succeed.
-
-        Needed available blocks = new blocks + copy-on-write copies + computed blocks that
-        are now evictable (ref count 0): those are counted in num_available_blocks, and
-        attaching them takes them out.
-        """
-        *_, needed = self._plan(seq, num_new_tokens, computed_blocks)
-        return needed <= self.num_available_blocks
-
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed_blocks: SequenceOf[int] = ()) -> list[tuple[int, int]]:
-        """Give seq slots for positions [0, num_computed' + num_new_tokens).
+                       computed_blocks: SequenceOf[int] = ()) -> list[tuple[int, int]] | None:
+        """Give seq slots for its next `num_new_tokens` positions (the plan in the module
+        docstring); `computed_blocks` (the hits of get_computed_blocks) are attached on the
+        sequence's first call only.
 
-        num_computed' = seq.num_computed_tokens + tokens covered by computed_blocks, which
-        are attached (ref count += 1) on the sequence's first call only and ignored later.
-        The positions written this step are [num_computed', num_computed' + num_new_tokens).
-
-        Returns copy-on-write pairs (src, dst): run backend.copy_blocks on them before the
-        forward. Atomic: if the pool is short, raises NoFreeBlocksError and changes nothing.
+        Returns the copy-on-write pairs (src, dst) to run with backend.copy_blocks before the
+        forward, or None when the pool is short: then nothing changed. Raises ValueError on
+        a bad argument or on computed_blocks that are no longer the cache's hits.
         """
-        attach, start, end, cow, needed = self._plan(seq, num_new_tokens, computed_blocks)
-        if needed > self.num_available_blocks:
-            raise NoFreeBlocksError(
-                f"sequence {seq.seq_id} needs {needed} blocks for positions [{start}, {end}),"
-                f" only {self.num_available_blocks} are free or evictable")
+        if seq.seq_id is None:
+            raise ValueError(f"{seq} has no seq_id: queue it with Scheduler.add_sequence, or "
+                             "give Sequence(..., seq_id=...) when using the manager alone")
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens!r}: must be an integer >= 0")
+        bs = self.block_size
+        table = self._tables.get(seq.seq_id)
+        attach: list[int] = []
+        if table is None:  # the first call: the hits become the table's first blocks
+            attach = list(computed_blocks)
+            self._check_computed_blocks(seq, attach)
+        plan = table if table is not None else BlockTable(bs, attach)
+        start = seq.num_computed_tokens + len(attach) * bs
+        end = start + num_new_tokens
+        new = plan.num_new_blocks(end)
+        written = range(start // bs, min(len(plan), -(-end // bs))) if end > start else ()
+        cow = [logical for logical in written if self.allocator.ref_count(plan[logical]) > 1]
+        if self.prefix_cache.revive_cost(attach) + new + len(cow) > self.num_available_blocks:
+            return None
         # From here on nothing can fail: the plan fits in the available blocks.
 
-        table = self._tables.get(seq.seq_id)
         if table is None:
-            table = self._tables[seq.seq_id] = BlockTable(self.block_size)
-            self._policy.attach(seq.seq_id, attach)  # increfs (radix: locks their node)
-            for block_id in attach:
-                table.append(block_id)
+            table = self._tables[seq.seq_id] = plan
+            self.prefix_cache.attach(seq.seq_id, attach)  # increfs (radix: locks the path)
             if self.enable_prefix_caching:
                 self.prefix_cache_queried_tokens += seq.num_tokens
-                self.prefix_cache_hit_tokens += len(attach) * self.block_size
+                self.prefix_cache_hit_tokens += len(attach) * bs
 
         copies: list[tuple[int, int]] = []
         for logical in cow:
@@ -237,17 +218,31 @@ class KVCacheManager:
             copies.append((old_block, new_block))
             # END EXERCISE
 
-        # Writes never reach a hashed block: hashed blocks hold only computed positions
-        # (cache_full_blocks), and speculative rollback un-computes only positions past
-        # the last accepted token, which no hashed block holds.
-        num_cached = self._policy.num_inserted(seq.seq_id)
-        assert end <= start or start >= num_cached * self.block_size, (
-            f"sequence {seq.seq_id} writes position {start} inside its hashed blocks")
+        # Writes never reach a cached block: cached blocks hold only computed positions,
+        # and speculative rollback un-computes only positions past the last accepted token.
+        num_cached = self.prefix_cache.num_cached_blocks_of(seq.seq_id)
+        assert end <= start or start >= num_cached * bs, (
+            f"sequence {seq.seq_id} writes position {start} inside its cached blocks")
 
-        for _ in range(table.num_new_blocks(end)):
+        for _ in range(new):
             table.append(self._take_block())
         self._record_peak()
         return copies
+
+    def _check_computed_blocks(self, seq: Sequence, blocks: list[int]) -> None:
+        """computed_blocks must still be what get_computed_blocks found: another sequence's
+        allocation in between may have evicted and reused one of them."""
+        if not blocks:
+            return
+        if seq.num_computed_tokens != 0:
+            raise ValueError(f"sequence {seq.seq_id}: computed_blocks given but "
+                             f"num_computed_tokens is {seq.num_computed_tokens}, not 0")
+        if len(blocks) * self.block_size > max(0, seq.num_tokens - 1):
+            raise ValueError(f"sequence {seq.seq_id}: computed_blocks cover the last token")
+        if not self.prefix_cache.still_cached(seq.token_ids, blocks):
+            raise ValueError(
+                f"sequence {seq.seq_id}: computed blocks {blocks} are no longer cached for "
+                "these tokens; call get_computed_blocks again right before allocate_slots")
 
     def _record_peak(self) -> None:
         """After held blocks grew (allocate_slots, swap_in: the only places they do)."""
@@ -261,7 +256,7 @@ class KVCacheManager:
         it, count the eviction. Hash: the head of the available queue, least recently
         released first; radix: a free block first, else the least recently used unlocked
         leaf's block."""
-        block_id, evicted = self._policy.take_block()
+        block_id, evicted = self.prefix_cache.take_block()
         self.num_evictions += evicted
         return block_id
 
@@ -278,7 +273,7 @@ class KVCacheManager:
         for block_id in parent_table:
             self.allocator.incref(block_id)
         self._tables[child_seq.seq_id] = parent_table.copy()
-        self._policy.fork(parent_seq.seq_id, child_seq.seq_id)
+        self.prefix_cache.fork(parent_seq.seq_id, child_seq.seq_id)
 
     def release(self, seq: Sequence) -> None:
         """Give back the sequence's blocks (finished, aborted or preempted): each loses one
@@ -291,7 +286,7 @@ class KVCacheManager:
         """
         table = self._tables.pop(seq.seq_id, None)
         if table is not None:
-            self._policy.release(seq.seq_id, table.block_ids)
+            self.prefix_cache.release(seq.seq_id, table.block_ids)
 
     def swap_in(self, seq: Sequence, host_pool: HostBlockPool) -> list[tuple[int, int]]:
         """Swap preemption, resuming: give a swapped-out sequence (no device blocks) fresh
@@ -311,7 +306,7 @@ class KVCacheManager:
         table = self._tables[seq.seq_id] = BlockTable(self.block_size)
         for block_id in back.tables[seq.seq_id]:
             table.append(block_id)
-        self._policy.attach(seq.seq_id, [])
+        self.prefix_cache.attach(seq.seq_id, [])
         self._record_peak()
         return back.copies
 
@@ -337,7 +332,7 @@ class KVCacheManager:
             return []
         dropped = table.block_ids[keep:]
         self._tables[seq.seq_id] = BlockTable(self.block_size, table.array[:keep])
-        self._policy.trim(seq.seq_id, keep, dropped)  # checks none of them is cached
+        self.prefix_cache.trim(seq.seq_id, keep, dropped)  # checks none of them is cached
         for block_id in reversed(dropped):  # tail first
             self.allocator.decref(block_id, to_front=True)
         return dropped
@@ -355,7 +350,7 @@ class KVCacheManager:
         table = self._table(seq.seq_id)
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         # The table itself, not a copy: the hash chain reads only its new blocks.
-        swaps = self._policy.cache_full_blocks(seq.seq_id, seq.token_ids, table, num_full)
+        swaps = self.prefix_cache.cache_full_blocks(seq.seq_id, seq.token_ids, table, num_full)
         for logical, tree_block in swaps:  # radix: duplicates of the tree's KV: use the tree's
             self.allocator.decref(table.replace(logical, tree_block), to_front=True)
 
@@ -377,9 +372,9 @@ class KVCacheManager:
                 raise AssertionError(f"sequence {seq_id} holds a block twice: {table}")
             for block_id in table:
                 holders[block_id] += 1
-            if self._policy.num_inserted(seq_id) > len(table):
+            if self.prefix_cache.num_cached_blocks_of(seq_id) > len(table):
                 raise AssertionError(f"sequence {seq_id} has more cached blocks than blocks")
-        self._policy.check_invariants(holders)
+        self.prefix_cache.check_invariants(holders)
         if not self.enable_prefix_caching and len(self.prefix_cache):
             raise AssertionError("prefix caching is disabled but blocks are cached")
         if self.num_held_blocks > self.num_held_blocks_peak:

@@ -1,53 +1,174 @@
-"""The prefix cache: find blocks whose KV was already computed for the same prefix.
+"""Prefix caching: find blocks whose KV was already computed for the same prefix.
 
-Two requests that start with the same tokens (a system prompt, a few-shot header, the
-previous turns of a chat) compute the same keys and values for that prefix, because K/V of a
-token depend only on the tokens up to it. So a *full* block can be identified by everything
-up to and including its tokens, via a hash chain:
+Two requests that start with the same tokens (a system prompt, a few-shot header, the previous
+turns of a chat) compute the same keys and values for that prefix, because the K/V of a token
+depend only on the tokens up to it. A prefix cache remembers which full, computed blocks hold
+which prefix, so a new sequence reuses them instead of computing them again (a "prefix cache
+hit"). Only full blocks are ever cached: a partly filled block will still change.
+
+One interface, `PrefixCache`, asked only by the KVCacheManager; its implementations:
+
+    PrefixCache      this base class: caches nothing (enable_prefix_caching=False)
+    HashChainCache   prefix_caching_policy="hash" (vLLM's), below
+    RadixCache       prefix_caching_policy="radix" (SGLang's), radix_cache.py
+
+The holder's protocol, the same for every implementation:
+
+    lookup(tokens)        the hit blocks, to the first miss (never the block holding the
+                          last token: its logits must be computed)
+    attach(seq, hits)     a sequence takes a reference on its hit blocks (revives them)
+    cache_full_blocks     after a step, newly full computed blocks become findable
+    release(seq, blocks)  the sequence lets go, tail first
+    take_block()          a block for new KV; when only cached ones are left, evict one
+
+The pool, in three words (one meaning each):
+    held       some block table holds it
+    evictable  no table holds it, but its KV is still cached: a hit revives it
+    free       no table holds it and nothing reusable is in it
+    held + evictable + free == num_blocks; an allocation may take evictable + free blocks.
+
+THE HASH CHAIN. A full block is named by everything up to and including its tokens:
 
     key(block 0) = hash((None,        tokens of block 0))
     key(block i) = hash((key(i - 1),  tokens of block i))
 
-Equal keys mean equal prefixes, so a new sequence walks its blocks from the start and reuses
-every block found under its key (a "prefix cache hit"), stopping at the first miss. Only full
-blocks are keyed: a partly filled block will still change.
+so equal keys mean equal prefixes. A lookup walks a sequence's blocks from the start and
+reuses every block found under its key, stopping at the first miss.
 
-Collision guard. A Python hash is 64 bits; two different prefixes can collide. We do not
-trust the hash alone: a `BlockKey` carries its tokens and its parent key, and two keys are
-equal only if their whole chains hold the same tokens (the hash is just the fast path of the
-dict lookup). This makes the cache collision-free: a collision costs a longer comparison,
-never a wrong hit. The comparison stops as soon as both chains reach the same parent object,
-which is the common case, because a sequence builds each key on top of the key object
-stored in the cache.
+Collision guard. A 64-bit hash can collide, so a `BlockKey` carries its tokens and its parent
+key, and two keys are equal only if their whole chains hold the same tokens: a collision costs
+a longer comparison, never a wrong hit. The comparison stops where both chains reach the same
+parent object, the common case, since a sequence chains each key on the key object stored here.
 
-Lifetime and eviction (least recently used). A cached block is *held* while some block
-table holds it, and *evictable* once its ref count drops to 0: it then sits in the
-allocator's available queue but stays findable here, so a later hit can revive it. Only
-when the allocator hands the block out again (from the head of the available queue) does
-the KVCacheManager call `evict`, dropping it from the cache. Released cached blocks join the
-available queue at the tail, so the block evicted first is the one released longest ago:
-LRU. A sequence releases its blocks tail-first, so its deepest block (the least reusable:
-only a prefix that long can hit it) is evicted before the shallower ones.
+Eviction (least recently used). A cached block whose ref count drops to 0 is evictable: it
+joins the allocator's available queue at the TAIL but stays findable, so a hit revives it.
+Uncached blocks go to the HEAD, so they are reused before any cached block is evicted; when
+`take_block` pops a cached block from the head it is dropped from the cache there: the block
+released longest ago goes first. A sequence releases tail first, so its deepest block (the
+least reusable: only a prefix that long can hit it) is evicted before its shallower ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
+
+from refserve.kv_cache.block_allocator import BlockAllocator
+
+
+class PrefixCache:
+    """The prefix cache interface (see the module docstring); this base caches nothing, so
+    every block is plain held or free."""
+
+    def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
+        self.block_size = block_size
+        self.allocator = allocator
+
+    # ---- counts --------------------------------------------------------------------------
+
+    @property
+    def num_held_blocks(self) -> int:
+        return self.allocator.num_held_blocks
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_available_blocks - self.num_evictable_blocks
+
+    def __len__(self) -> int:
+        """Cached blocks, held or evictable."""
+        return 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self)
+
+    def is_cached(self, block_id: int) -> bool:
+        return False
+
+    def num_cached_blocks_of(self, seq_id: int) -> int:
+        """Leading blocks of the sequence that are cached (its attached hits, then the
+        blocks cache_full_blocks made findable)."""
+        return 0
+
+    def cached_blocks(self) -> dict[int, tuple[int, ...]]:
+        """Every cached block (held or evictable) -> the tokens whose KV it holds."""
+        return {}
+
+    # ---- lookups (change nothing a holder can see) ----------------------------------------
+
+    def lookup(self, token_ids: SequenceOf[int]) -> list[int]:
+        """The hit blocks of a sequence about to be admitted, in order."""
+        return []
+
+    def match_length(self, token_ids: SequenceOf[int]) -> int:
+        """Tokens a lookup would hit now (what scheduling_policy="lpm" sorts by)."""
+        return 0
+
+    def revive_cost(self, blocks: SequenceOf[int]) -> int:
+        """Available blocks that attaching these hits takes: the evictable ones."""
+        return 0
+
+    def still_cached(self, token_ids: SequenceOf[int], blocks: SequenceOf[int]) -> bool:
+        """Whether `blocks` are still the hits for token_ids (an allocation since the lookup
+        may have evicted and reused one of them)."""
+        return not blocks
+
+    # ---- the holder's protocol ------------------------------------------------------------
+
+    def attach(self, seq_id: int, blocks: SequenceOf[int]) -> None:
+        """A sequence's first allocation (or a swap-in, with no hits): take a reference on
+        each hit block."""
+        for block_id in blocks:
+            self.allocator.incref(block_id)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares the parent's blocks (the manager increfs them)."""
+
+    def cache_full_blocks(self, seq_id: int, token_ids: SequenceOf[int],
+                          block_ids: SequenceOf[int], num_full: int) -> list[tuple[int, int]]:
+        """Make the sequence's first `num_full` blocks (full and computed) findable. Returns
+        (logical block, cached block) pairs where the sequence's block duplicates one the
+        cache already holds and the caller should swap it for the cached one (radix)."""
+        return []
+
+    def trim(self, seq_id: int, keep: int, dropped: SequenceOf[int]) -> None:
+        """The sequence keeps only its first `keep` blocks (speculative rollback); the
+        manager then lets go of `dropped`, which hold no computed position."""
+
+    def release(self, seq_id: int, block_ids: SequenceOf[int]) -> None:
+        """The sequence lets go of its blocks, tail first; worthless blocks go to the head
+        of the available queue, to be reused first."""
+        for block_id in reversed(block_ids):
+            self.allocator.decref(block_id, to_front=True)
+
+    def take_block(self) -> tuple[int, bool]:
+        """A block for new KV, and whether a cached block was evicted for it."""
+        return self.allocator.allocate(), False
+
+    def check_invariants(self, holders: SequenceOf[int]) -> None:
+        """holders[b] = block tables holding b; raise AssertionError on a disagreement."""
+        for block_id, count in enumerate(holders):
+            if self.allocator.ref_count(block_id) != count:
+                raise AssertionError(f"block {block_id}: ref count "
+                                     f"{self.allocator.ref_count(block_id)} but held by "
+                                     f"{count} block tables")
+
 
 def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    """The chained hash: hash((key of the previous block, tokens of this block)).
-
-    Python's hash of ints and tuples of ints is deterministic across runs. Tests replace this
-    function with a constant to show that collisions cannot produce a wrong hit.
-    """
+    """The chained hash: hash((hash of the previous block's key, tokens of this block)).
+    Python's hash of ints and tuples of ints is the same in every run. Tests replace this
+    function with a constant to show that collisions cannot produce a wrong hit."""
     return hash((parent_hash, tokens))
 
 
 class BlockKey:
     """The identity of a full block: its tokens plus the key of the block before it.
-
-    `value` is the chained hash; equality compares the full token chain (see the module
-    docstring: collision-free). Immutable.
-    """
+    `value` is the chained hash; equality compares the whole token chain. Immutable."""
 
     __slots__ = ("value", "parent", "tokens")
 
@@ -63,12 +184,9 @@ class BlockKey:
         if not isinstance(other, BlockKey):
             return NotImplemented
         a, b = self, other
-        # Walk both chains towards block 0. A loop, not recursion: chains can be thousands
-        # of blocks long. Identical objects below this point are equal, so stop there.
+        # A loop, not recursion: chains can be thousands of blocks long.
         while a is not b:
-            if a is None or b is None:
-                return False  # different depths
-            if a.value != b.value or a.tokens != b.tokens:
+            if a is None or b is None or a.value != b.value or a.tokens != b.tokens:
                 return False
             a, b = a.parent, b.parent
         return True
@@ -77,84 +195,173 @@ class BlockKey:
         return f"BlockKey({self.value:#x}, tokens={self.tokens})"
 
 
-class PrefixCache:
-    """BlockKey <-> physical block id, for full blocks whose KV has been written.
+class HashChainCache(PrefixCache):
+    """prefix_caching_policy="hash": BlockKey <-> block id for every cached block, and per
+    holding sequence the keys of its cached leading blocks (the next key chains on the last,
+    so caching a sequence's blocks is O(new blocks)).
 
-    Invariants: the two maps are inverse to each other; a physical block is cached under at
-    most one key, and a key names at most one block (if two sequences computed the same
-    block independently, the first one cached is kept and the other block stays uncached).
+    Invariants: the two maps are inverse; a block is cached under at most one key and a key
+    names at most one block (two sequences that computed the same prefix independently: the
+    first one cached keeps it, the other block stays uncached); the evictable count, kept in
+    O(1), equals the cached blocks in the allocator's available queue.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
+        super().__init__(block_size, allocator)
         self._block_of_key: dict[BlockKey, int] = {}
         self._key_of_block: dict[int, BlockKey] = {}
+        self._keys: dict[int, list[BlockKey]] = {}  # seq_id -> keys of its cached blocks
+        self._num_evictable = 0
 
-    def lookup(self, key: BlockKey) -> int | None:
-        """The physical block cached under `key`, or None (a miss). Changes nothing."""
-        return self._block_of_key.get(key)
-
-    def key_of(self, block_id: int) -> BlockKey | None:
-        """The key a block is cached under, or None if it is not cached."""
-        return self._key_of_block.get(block_id)
-
-    def is_cached(self, block_id: int) -> bool:
-        return block_id in self._key_of_block
-
-    def insert(self, key: BlockKey, block_id: int) -> BlockKey:
-        """Cache `block_id` under `key` unless that key or that block is already cached.
-
-        Returns the key object now stored for these tokens (the existing one if the prefix
-        was already cached), so that callers can chain their next key on top of it.
-        """
-        existing = self._block_of_key.get(key)
-        if existing is not None:
-            return self._key_of_block[existing]
-        if block_id in self._key_of_block:
-            # The block is already cached under another key: it would mean the block holds
-            # two different prefixes, which the manager never lets happen.
-            raise ValueError(f"block {block_id} is already cached under another key")
-        self._block_of_key[key] = block_id
-        self._key_of_block[block_id] = key
-        return key
-
-    def evict(self, block_id: int) -> bool:
-        """Forget `block_id` (its KV is about to be overwritten). Returns True if it was
-        cached."""
-        key = self._key_of_block.pop(block_id, None)
-        if key is None:
-            return False
-        del self._block_of_key[key]
-        return True
-
-    def cached_blocks(self) -> dict[int, BlockKey]:
-        """A copy of block id -> key, for tests and debugging."""
-        return dict(self._key_of_block)
-
-    def check_invariants(self) -> None:
-        if len(self._block_of_key) != len(self._key_of_block):
-            raise AssertionError("prefix cache maps have different sizes")
-        for key, block_id in self._block_of_key.items():
-            if self._key_of_block.get(block_id) is not key:
-                raise AssertionError(f"block {block_id}: key maps are not inverse")
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self._num_evictable
 
     def __len__(self) -> int:
         return len(self._key_of_block)
 
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._key_of_block
+
+    def key_of(self, block_id: int) -> BlockKey | None:
+        """The key a block is cached under, or None."""
+        return self._key_of_block.get(block_id)
+
+    def num_cached_blocks_of(self, seq_id: int) -> int:
+        return len(self._keys.get(seq_id, ()))
+
+    def cached_blocks(self) -> dict[int, tuple[int, ...]]:
+        return {block: key.tokens for block, key in self._key_of_block.items()}
+
+    def lookup(self, token_ids: SequenceOf[int]) -> list[int]:
+        # BEGIN EXERCISE prefix_cache_lookup: chained keys of full blocks to the first miss
+        bs = self.block_size
+        max_hit_blocks = max(0, len(token_ids) - 1) // bs
+        blocks: list[int] = []
+        parent: BlockKey | None = None
+        for i in range(max_hit_blocks):
+            key = BlockKey(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            block_id = self._block_of_key.get(key)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+            # Chain on the stored key object: later equality checks stop at it at once.
+            parent = self._key_of_block[block_id]
+        return blocks
+        # END EXERCISE
+
+    def match_length(self, token_ids: SequenceOf[int]) -> int:
+        return len(self.lookup(token_ids)) * self.block_size
+
+    def revive_cost(self, blocks: SequenceOf[int]) -> int:
+        return sum(1 for block_id in blocks if self.allocator.ref_count(block_id) == 0)
+
+    def still_cached(self, token_ids: SequenceOf[int], blocks: SequenceOf[int]) -> bool:
+        bs, parent = self.block_size, None
+        for i, block_id in enumerate(blocks):
+            key = self._key_of_block.get(block_id)
+            if (key is None or key.parent != parent
+                    or key.tokens != tuple(token_ids[i * bs:(i + 1) * bs])):
+                return False
+            parent = key
+        return True
+
+    def attach(self, seq_id: int, blocks: SequenceOf[int]) -> None:
+        """Take a reference on each hit block (an evictable one is revived); their keys are
+        the sequence's first cached blocks."""
+        for block_id in blocks:
+            if self.allocator.ref_count(block_id) == 0:
+                self._num_evictable -= 1
+        super().attach(seq_id, blocks)
+        self._keys[seq_id] = [self._key_of_block[block_id] for block_id in blocks]
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        self._keys[child_id] = list(self._keys[parent_id])
+
+    def cache_full_blocks(self, seq_id: int, token_ids: SequenceOf[int],
+                          block_ids: SequenceOf[int], num_full: int) -> list[tuple[int, int]]:
+        """Key blocks [cached so far, num_full). A block already cached (shared with a
+        sibling that cached it first) keeps its key; a prefix already cached in another
+        block keeps that block, and this one stays uncached (first wins). No swaps."""
+        keys = self._keys[seq_id]
+        bs = self.block_size
+        for i in range(len(keys), num_full):
+            block_id = block_ids[i]
+            key = self._key_of_block.get(block_id)
+            if key is None:
+                key = BlockKey(keys[-1] if keys else None,
+                               tuple(token_ids[i * bs:(i + 1) * bs]))
+                if key in self._block_of_key:
+                    key = self._key_of_block[self._block_of_key[key]]
+                else:
+                    self._block_of_key[key] = block_id
+                    self._key_of_block[block_id] = key
+            keys.append(key)
+        return []
+
+    def trim(self, seq_id: int, keep: int, dropped: SequenceOf[int]) -> None:
+        """Cached blocks hold computed positions only, which a trim keeps, so a dropped block
+        is cached only if a sibling sharing it cached it."""
+        for block_id in dropped:
+            assert self.allocator.ref_count(block_id) > 1 or not self.is_cached(block_id), \
+                f"block {block_id} is cached but holds no computed position of {seq_id}"
+        del self._keys[seq_id][keep:]
+
+    def release(self, seq_id: int, block_ids: SequenceOf[int]) -> None:
+        """Tail first; a cached block goes to the TAIL of the available queue (evicted last),
+        an uncached one to the head."""
+        self._keys.pop(seq_id, None)
+        for block_id in reversed(block_ids):
+            cached = block_id in self._key_of_block
+            if self.allocator.decref(block_id, to_front=not cached) and cached:
+                self._num_evictable += 1
+
+    def take_block(self) -> tuple[int, bool]:
+        """The head of the available queue; if it is cached, evict it there (LRU)."""
+        block_id = self.allocator.allocate()
+        key = self._key_of_block.pop(block_id, None)
+        if key is None:
+            return block_id, False
+        del self._block_of_key[key]
+        self._num_evictable -= 1
+        return block_id, True
+
+    def check_invariants(self, holders: SequenceOf[int]) -> None:
+        super().check_invariants(holders)
+        if len(self._block_of_key) != len(self._key_of_block) or any(
+                self._key_of_block.get(b) is not k for k, b in self._block_of_key.items()):
+            raise AssertionError("the hash chain's key and block maps are not inverse")
+        evictable = sum(1 for b in self.allocator.available_block_ids() if self.is_cached(b))
+        if evictable != self._num_evictable:
+            raise AssertionError(f"{evictable} evictable blocks, but counted "
+                                 f"{self._num_evictable}")
+
     def __repr__(self) -> str:
-        blocks = {b: k.tokens for b, k in self._key_of_block.items()}
-        return f"PrefixCache({blocks})"
+        return f"HashChainCache({self.cached_blocks()})"
+
+
+def make_prefix_cache(enabled: bool, policy: str, block_size: int,
+                      allocator: BlockAllocator) -> PrefixCache:
+    """The prefix cache for enable_prefix_caching / prefix_caching_policy: only the one in
+    use is built."""
+    if not enabled:
+        return PrefixCache(block_size, allocator)
+    if policy == "radix":
+        from refserve.kv_cache.radix_cache import RadixCache  # the tree only when used
+
+        return RadixCache(block_size, allocator)
+    return HashChainCache(block_size, allocator)
 
 
 if __name__ == "__main__":
-    cache = PrefixCache()
-    k0 = BlockKey(None, (1, 2, 3, 4))
-    k1 = BlockKey(k0, (5, 6, 7, 8))
-    cache.insert(k0, 10)
-    cache.insert(k1, 11)
-    print(cache)
-    # Same tokens at a different depth are a different block:
-    print("lookup (5,6,7,8) as block 0 ->", cache.lookup(BlockKey(None, (5, 6, 7, 8))))
-    print("lookup chain 1,2,3,4 | 5,6,7,8 ->",
-          cache.lookup(BlockKey(BlockKey(None, (1, 2, 3, 4)), (5, 6, 7, 8))))
-    cache.evict(11)
-    print("after evict(11):", cache)
+    allocator = BlockAllocator(4)
+    cache = HashChainCache(2, allocator)
+    a = [allocator.allocate() for _ in range(2)]
+    cache.attach(0, [])
+    cache.cache_full_blocks(0, [1, 2, 3, 4], a, 2)
+    print("sequence 0 cached [1 2 | 3 4]:", cache)
+    print("lookup [1 2 3 4 5] ->", cache.lookup([1, 2, 3, 4, 5]), " (both blocks hit)")
+    print("lookup [3 4 1 2 5] ->", cache.lookup([3, 4, 1, 2, 5]), " (same tokens, other depth)")
+    cache.release(0, a)
+    print("released: evictable", cache.num_evictable_blocks, "| available queue",
+          list(allocator.available_block_ids()), "(cached blocks at the tail)")

@@ -80,6 +80,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 from refserve.kv_cache.block_allocator import BlockAllocator
+from refserve.kv_cache.prefix_cache import PrefixCache
 
 
 class RadixNode:
@@ -128,29 +129,53 @@ class RadixInsert:
     node: RadixNode
 
 
-class RadixCache:
-    """Block-aligned radix tree of cached prefixes over one BlockAllocator (see the module
-    docstring for the rules, the holder's protocol and the invariants)."""
+class RadixCache(PrefixCache):
+    """Block-aligned radix tree of cached prefixes over one BlockAllocator, and
+    prefix_caching_policy="radix" behind the KVCacheManager (see the module docstring for
+    the rules, the holder's protocol and the invariants).
+
+    Reference counts differ from the hash chain in one way: the tree holds one reference on
+    each block it caches, so an evictable block has ref count 1 (not 0) and is not in the
+    allocator's available queue. The pool's three words keep their meaning:
+
+        held       some block table holds it   = allocator-held blocks - evictable ones
+        evictable  cached, no table holds it   = the blocks of unlocked nodes
+        free       ref count 0                 = the allocator's available queue
+
+    Per holding sequence it keeps the node it locked and how many leading blocks it has
+    inserted; every cached block a table holds lies on that sequence's locked path.
+    """
 
     def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
-        self.block_size = block_size
-        self.allocator = allocator
+        super().__init__(block_size, allocator)
         self._clock = itertools.count(1)
         self._ids = itertools.count()
         self.root = RadixNode((), [], None, 0, next(self._ids))
         self.root.lock_ref = 1  # always locked: never evicted, never a leaf to evict
         self._node_of_block: dict[int, RadixNode] = {}
         self._evictable_leaves: set[RadixNode] = set()
-        self.num_evictable_blocks = 0
+        self._num_evictable = 0
         self.num_protected_blocks = 0
         self.num_evicted_blocks = 0
+        self._locked: dict[int, RadixNode] = {}  # seq_id -> the node it holds locked
+        self._num_inserted: dict[int, int] = {}  # seq_id -> leading blocks inserted
 
     # ---- queries -------------------------------------------------------------------------
 
     @property
-    def num_cached_blocks(self) -> int:
+    def num_evictable_blocks(self) -> int:
+        return self._num_evictable
+
+    @property
+    def num_held_blocks(self) -> int:
+        """The tree's own reference on an evictable block does not count."""
+        return self.allocator.num_held_blocks - self._num_evictable
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_available_blocks
+
+    def __len__(self) -> int:
         return len(self._node_of_block)
 
     def is_cached(self, block_id: int) -> bool:
@@ -228,7 +253,7 @@ class RadixCache:
             for block_id in new_blocks:
                 self.allocator.incref(block_id)
                 self._node_of_block[block_id] = leaf
-            self.num_evictable_blocks += len(new_blocks)
+            self._num_evictable += len(new_blocks)
             self._update_leaf(node)
             self._update_leaf(leaf)
             tree_blocks = tree_blocks + new_blocks
@@ -241,7 +266,7 @@ class RadixCache:
         blocks from evictable to protected. Locking the root changes nothing."""
         for n in self._path(node):
             if n.lock_ref == 0:
-                self.num_evictable_blocks -= len(n.blocks)
+                self._num_evictable -= len(n.blocks)
                 self.num_protected_blocks += len(n.blocks)
             n.lock_ref += 1
             self._update_leaf(n)
@@ -256,7 +281,7 @@ class RadixCache:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 self.num_protected_blocks -= len(n.blocks)
-                self.num_evictable_blocks += len(n.blocks)
+                self._num_evictable += len(n.blocks)
             self._update_leaf(n)
 
     def evict(self, num_blocks: int) -> list[int]:
@@ -277,7 +302,7 @@ class RadixCache:
                 self.allocator.decref(block_id, to_front=True)  # worthless now: reuse first
                 del self._node_of_block[block_id]
                 freed.append(block_id)
-            self.num_evictable_blocks -= take
+            self._num_evictable -= take
             if take < len(leaf.blocks):  # trimmed: the leaf keeps its first blocks
                 leaf.blocks = leaf.blocks[:len(leaf.blocks) - take]
                 leaf.key = leaf.key[:len(leaf.blocks) * self.block_size]
@@ -291,6 +316,96 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         self.num_evicted_blocks += len(freed)
         return freed
+
+    # ---- the PrefixCache interface: the holder's protocol for each sequence --------------
+
+    def num_cached_blocks_of(self, seq_id: int) -> int:
+        return self._num_inserted.get(seq_id, 0)
+
+    def cached_blocks(self) -> dict[int, tuple[int, ...]]:
+        bs = self.block_size
+        return {block: node.key[i * bs:(i + 1) * bs]
+                for node in self.nodes() for i, block in enumerate(node.blocks)}
+
+    def lookup(self, token_ids: SequenceOf[int]) -> list[int]:
+        """match_prefix's blocks (it splits the node the match ends inside and marks the
+        path used; it takes no reference)."""
+        return self.match_prefix(token_ids).block_ids
+
+    def revive_cost(self, blocks: SequenceOf[int]) -> int:
+        """The evictable blocks on the unlocked nodes of the hit's path."""
+        return self.evictable_on_path(self.node_of(blocks[-1])) if blocks else 0
+
+    def still_cached(self, token_ids: SequenceOf[int], blocks: SequenceOf[int]) -> bool:
+        if not blocks:
+            return True
+        node = self.node_of(blocks[-1])
+        if node is None or node.blocks[-1] != blocks[-1] or self.path_blocks(node) != list(blocks):
+            return False
+        keys, n = [], node
+        while n is not self.root:
+            keys.append(n.key)
+            n = n.parent
+        tokens = tuple(t for key in reversed(keys) for t in key)
+        return tokens == tuple(token_ids[:len(tokens)])
+
+    def attach(self, seq_id: int, blocks: SequenceOf[int]) -> None:
+        """Take a reference on each hit block and lock the node they end at (the root when
+        there is no hit: a no-op lock)."""
+        node = self.node_of(blocks[-1]) if blocks else self.root
+        super().attach(seq_id, blocks)
+        self.lock(node)
+        self._locked[seq_id] = node
+        self._num_inserted[seq_id] = len(blocks)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares the parent's blocks, so it takes its own lock on its node."""
+        node = self._locked[parent_id]
+        self.lock(node)
+        self._locked[child_id] = node
+        self._num_inserted[child_id] = self._num_inserted[parent_id]
+
+    def cache_full_blocks(self, seq_id: int, token_ids: SequenceOf[int],
+                          block_ids: SequenceOf[int], num_full: int) -> list[tuple[int, int]]:
+        """Insert the first num_full blocks if some are new and move the sequence's lock
+        down to the node that ends them. Where the sequence's block duplicates the tree's
+        (the same prefix computed twice), returns (logical block, tree block): the caller
+        puts the tree's block in the table (this method took its reference) and drops its
+        own, as SGLang does."""
+        if num_full <= self._num_inserted[seq_id]:
+            return []
+        block_ids = list(block_ids)
+        done = self.insert(token_ids[:num_full * self.block_size], block_ids[:num_full])
+        self.lock(done.node)
+        self.unlock(self._locked[seq_id])
+        self._locked[seq_id] = done.node
+        self._num_inserted[seq_id] = num_full
+        swaps = [(i, tree_block) for i, tree_block in enumerate(done.block_ids)
+                 if block_ids[i] != tree_block]
+        for _, tree_block in swaps:
+            self.allocator.incref(tree_block)  # locked by this sequence: protected already
+        return swaps
+
+    def trim(self, seq_id: int, keep: int, dropped: SequenceOf[int]) -> None:
+        """Inserted blocks hold computed positions only, which a trim keeps: none of
+        `dropped` is in the tree."""
+        for block_id in dropped:
+            assert not self.is_cached(block_id), \
+                f"block {block_id} is cached but holds no computed position of {seq_id}"
+
+    def release(self, seq_id: int, block_ids: SequenceOf[int]) -> None:
+        """One reference per block, tail first (to the head of the free queue: a cached
+        block is still held by the tree), then the sequence's lock."""
+        super().release(seq_id, block_ids)
+        self.unlock(self._locked.pop(seq_id))
+        del self._num_inserted[seq_id]
+
+    def take_block(self) -> tuple[int, bool]:
+        """A free block first; only when none is left, evict one block (LRU leaf)."""
+        evicted = False
+        if self.allocator.num_available_blocks == 0:
+            evicted = bool(self.evict(1))
+        return self.allocator.allocate(), evicted
 
     # ---- the walk ------------------------------------------------------------------------
 
@@ -371,8 +486,12 @@ class RadixCache:
             stack.extend(reversed(node.children.values()))
         return out
 
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the tree breaks one of its invariants (module docstring)."""
+    def check_invariants(self, holders: SequenceOf[int] | None = None) -> None:
+        """Raise AssertionError if the tree breaks one of its invariants (module docstring);
+        with `holders` (holders[b] = block tables holding b), also that ref count = holders
+        + the tree's one and that the unlocked blocks are the cached ones no table holds."""
+        if holders is not None:
+            self._check_holders(holders)
         bs, root = self.block_size, self.root
         assert root.lock_ref == 1 and not root.blocks and root.parent is None, "root changed"
         seen: dict[int, RadixNode] = {}
@@ -404,6 +523,21 @@ class RadixCache:
              f"{self.num_protected_blocks}, but the tree has {evictable} / {protected}")
         leaves = {n for n in self.nodes() if n.is_leaf and n.lock_ref == 0}
         assert leaves == self._evictable_leaves, "eviction heap set != the unlocked leaves"
+
+    def _check_holders(self, holders: SequenceOf[int]) -> None:
+        cached = self.cached_blocks()
+        for block_id, count in enumerate(holders):
+            expected = count + (block_id in cached)
+            if self.allocator.ref_count(block_id) != expected:
+                raise AssertionError(
+                    f"block {block_id}: ref count {self.allocator.ref_count(block_id)}, but "
+                    f"{count} block tables{' + the tree' if block_id in cached else ''}")
+        unheld = sum(1 for block_id in cached if holders[block_id] == 0)
+        if unheld != self.num_evictable_blocks:
+            raise AssertionError(f"{unheld} cached blocks no table holds, but the tree "
+                                 f"counts {self.num_evictable_blocks} evictable")
+        if set(self._locked) != set(self._num_inserted):
+            raise AssertionError("locked nodes and insert counts name different sequences")
 
     def __str__(self) -> str:
         """The tree as indented text: each node's tokens, blocks, lock count, last access."""

@@ -6,8 +6,7 @@ from __future__ import annotations
 import zlib
 
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.scheduler.base import SchedulerBase
-from refserve.scheduler.continuous import Scheduler
+from refserve.scheduler.scheduler import Scheduler
 from refserve.scheduler.static import StaticScheduler
 from refserve.sequence import Sequence
 
@@ -18,7 +17,7 @@ def stub_next_token(request_id: str, position: int) -> int:
     return zlib.crc32(f"{request_id}:{position}".encode()) % 1000 + 10
 
 
-def run_stub(scheduler: SchedulerBase, requests: list[tuple[str, int, int]],
+def run_stub(scheduler: Scheduler, requests: list[tuple[str, int, int]],
              verbose: bool = True) -> dict[str, list[int]]:
     """Run (request_id, prompt_len, max_tokens) requests to completion with the stub model;
     returns each request's output tokens."""
@@ -31,7 +30,7 @@ def run_stub(scheduler: SchedulerBase, requests: list[tuple[str, int, int]],
     while scheduler.has_unfinished():
         out = scheduler.schedule()
         sampled = {row.seq.seq_id: [stub_next_token(row.seq.request_id, row.end)]
-                   for row in out.scheduled if row.samples}
+                   for row in out.scheduled if row.num_logits}
         retired = scheduler.update(out, sampled).retired
         if verbose:
             print(out)

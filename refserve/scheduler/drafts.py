@@ -6,22 +6,24 @@ exists for exactly one engine step, and travels through it as a value:
 
     1. PROPOSE   engine.propose() -> Proposals          refserve/speculation/speculator.py
                  {seq_id: Proposal(token_ids, draft_probs)} for each decode-ready sequence
-    2. TRIM      scheduler.schedule(proposals)           scheduler/base.py: _plan_row
+    2. TRIM      scheduler.schedule(proposals)           scheduler/scheduler.py: _plan_row
                  `drafts_that_fit` says how many drafts the row's token budget leaves room
-                 for (it changes nothing); `_schedule_row` records them on the row:
+                 for (it changes nothing); `_add_row` records them on the row:
                  row.draft_token_ids = the first n drafts, row.num_logits = n + 1. A draft
-                 that did not fit is simply never computed.
+                 that did not fit is simply never computed; a row whose slots do not fit
+                 drops its drafts before anyone is preempted.
     3. VERIFY    engine.sample(out, logits, proposals)   refserve/speculation/verify.py
                  the target's n + 1 distributions p and the drafts' q (`verify_inputs`)
                  go to backend.rejection_sample: accepted drafts + one recovered or bonus
                  token come back in SampledTokens.token_ids.
-    4. KEEP / ROLL BACK   scheduler.update(out, sampled) scheduler/base.py, stop_rules.py
+    4. KEEP / ROLL BACK   scheduler.update(out, sampled)   scheduler/scheduler.py
                  the emitted tokens are appended one by one under the stop rules (a stop
-                 inside the accepted run drops the rest); then `roll_back`: every query
+                 inside the accepted run drops the rest); then the roll back: every query
                  position past the last appended token (rejected drafts, tokens after a
-                 stop) is un-computed and the blocks that held only such slots go back to
-                 the pool. `count_verified` turns the row into the metrics' proposed /
-                 accepted counts.
+                 stop) stays un-computed (num_computed_tokens = num_tokens - 1) and the
+                 blocks that held only such slots go back to the pool (kv.trim).
+                 `count_verified` turns the row into the metrics' proposed / accepted
+                 counts.
 
 Nothing else reads or writes draft tokens; the runner reads `row.draft_token_ids` to build
 the row's query tokens (model_runner.py: `query_tokens`).
@@ -35,9 +37,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-    from refserve.kv_cache.kv_cache_manager import KVCacheManager
     from refserve.scheduler.output import ScheduledSequence
-    from refserve.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -76,20 +76,6 @@ def verify_inputs(row: ScheduledSequence, proposals: Proposals
     proposal = proposals[row.seq.seq_id].truncated(len(row.draft_token_ids))
     assert proposal.token_ids == row.draft_token_ids, "a verify row's drafts are its proposal's"
     return proposal.token_ids, proposal.draft_probs
-
-
-def roll_back(seq: Sequence, kv_cache_manager: KVCacheManager) -> None:
-    """4. ROLL BACK, after the emitted tokens were appended: the last appended token has no
-    K/V yet, and neither do the positions past it (rejected drafts, or tokens cut by a stop
-    rule), whatever the forward wrote there. So
-
-        num_computed_tokens = min(num_computed_tokens, num_tokens - 1)
-
-    and the trailing blocks that hold no position below num_tokens go back to the pool
-    (KVCacheManager.trim; their slots were never hashed). The next step rewrites those
-    slots."""
-    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-    kv_cache_manager.trim(seq, seq.num_tokens)
 
 
 def count_verified(num_drafts: int, num_emitted: int, num_kept: int) -> tuple[int, int]:

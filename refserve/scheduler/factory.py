@@ -11,19 +11,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from refserve.scheduler.continuous import Scheduler
+from refserve.scheduler.scheduler import Scheduler
 from refserve.scheduler.static import StaticScheduler
 
 if TYPE_CHECKING:
     from refserve.config import EngineConfig
     from refserve.kv_cache.host_pool import HostBlockPool
     from refserve.kv_cache.kv_cache_manager import KVCacheManager
-    from refserve.scheduler.base import SchedulerBase
 
 
 def make_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager,
                    max_model_len: int, eos_token_id: int | None = None,
-                   host_pool: HostBlockPool | None = None) -> SchedulerBase:
+                   host_pool: HostBlockPool | None = None) -> Scheduler:
     """The scheduler of `config` (its token budget already resolved) over
     `kv_cache_manager`; `host_pool`: swap preemption's, None with recompute."""
     common = (config.max_num_seqs, config.max_num_batched_tokens, kv_cache_manager,

@@ -1,11 +1,11 @@
 """Parallel sampling's fork: a child sequence that shares every block of its running parent
-(copy-on-write makes the shared last block private on the first write). `SchedulerBase`
-inherits `fork`; `update` calls it for each child a step's `fork_token_ids` names.
+(copy-on-write makes the shared last block private on the first write). The `Scheduler`
+inherits `fork`; `update` calls it for each child a step's `SampledTokens.children` names.
 
-The fork keeps the scheduler's invariants: the child holds blocks (it is in `_holding`),
-runs right after its parent and earlier siblings in `running`, and the parent's n seats
-become 1 + one per child, so the seat count never changes. A child forked between
-`schedule()` and `update()` rides that step (`_riders`): `update` advances it like its parent.
+The fork keeps the scheduler's invariants: the child holds blocks, runs right after its
+parent and earlier siblings in `running`, and the parent's n seats become 1 + one per child,
+so the seat count never changes. A child forked between `schedule()` and `update()` rides that
+step (`_riders`): `update` advances it like its parent.
 """
 
 from __future__ import annotations
@@ -14,22 +14,22 @@ from refserve.sequence import Sequence, SequenceStatus
 
 
 class Forking:
-    """The fork of parallel sampling (see the module docstring); uses SchedulerBase's
-    queues (`running`, `_by_id`, `_holding`, `_pending`, `_riders`) and KV manager."""
+    """The fork of parallel sampling (see the module docstring); uses the Scheduler's
+    queues (`running`, `_by_id`, `_pending`, `_riders`) and KV manager."""
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Parallel sampling: `child` (made by `parent.fork()`) shares every block of the
         running `parent` and runs right after it (after any earlier children).
 
         Called between `schedule()` and `update()` of the step in which the parent samples
-        (that is what `update` does with `SampledTokens.fork_token_ids`), the child rides
-        that step: `update` advances it like the parent and appends its own token. Called at
-        any other time, the child simply continues from its own state. The parent's n seats
+        (that is what `update` does with `SampledTokens.children`), the child rides that
+        step: `update` advances it like the parent and appends its own token. Called at any
+        other time, the child simply continues from its own state. The parent's n seats
         become 1 + one per child. Everything is checked before anything changes.
         """
         if self._by_id.get(parent.seq_id) is not parent or parent not in self.running:
             raise ValueError(f"fork: parent {parent.seq_id} is not running")
-        if parent.seq_id not in self._holding:
+        if not self.kv_cache_manager.has_sequence(parent.seq_id):
             raise ValueError(f"fork: parent {parent.seq_id} has not been computed yet")
         if child.seq_id is None:
             child.seq_id = self.new_seq_id()
@@ -38,7 +38,7 @@ class Forking:
         rides = False
         if self._pending is not None:
             for row in self._pending.scheduled:
-                if row.seq is parent and not row.is_padding:
+                if row.seq is parent:
                     if child.num_computed_tokens != row.start:
                         raise ValueError(f"fork between schedule() and update(): child "
                                          f"{child.seq_id} must copy the parent as scheduled "
@@ -46,7 +46,6 @@ class Forking:
                     rides = True
         # Validated: from here on nothing can fail.
         self.kv_cache_manager.fork(parent, child)
-        self._holding.add(child.seq_id)
         parent.awaiting_fork = False
         child.awaiting_fork = False
         child.status = SequenceStatus.RUNNING

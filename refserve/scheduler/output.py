@@ -7,7 +7,7 @@ A row is "q query tokens over a paged context": `seq` computes the tokens at pos
 rows need logits:
 
     num_logits = 0      a prefill chunk that does not reach the end of the prompt, or a
-                        static-batching padding row: nothing is sampled
+                        static-batching padding row (`SchedulerOutput.padding`)
     num_logits = 1      the row reaches the last token: one token is sampled from it
     num_logits = k + 1  a speculative verify: the last real token plus k draft tokens; the
                         target's k + 1 distributions decide how many drafts are accepted
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from refserve.sequence import SequenceStatus
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,49 +32,31 @@ class ScheduledSequence:
 
     num_logits  how many of the row's last query tokens need logits (see the module
                 docstring); 0 for a prefill chunk or padding.
-    is_padding  static batching only: a finished sequence that still holds its seat. The
-                runner recomputes position start == num_computed_tokens - 1 and writes its
-                K/V nowhere (slot -1); nothing is sampled.
     block_ids   the sequence's block table for this step (a copy: what the runner sends to
                 the attention kernel, and what the printout shows).
     draft_token_ids   a speculative verify row's drafts, computed after the last real token
                 (scheduler/drafts.py); () for every other row.
 
-    Invariant: num_tokens >= 1, 0 <= num_logits <= num_tokens, and a row with drafts
-    verifies all of them: num_logits == len(draft_token_ids) + 1.
+    Invariant (the scheduler builds every row in one place, `Scheduler._add_row`):
+    num_tokens >= 1, 0 <= num_logits <= num_tokens, and a row with drafts verifies all of
+    them: num_logits == len(draft_token_ids) + 1.
     """
 
     seq: Sequence
     num_tokens: int
     start: int
     num_logits: int
-    is_padding: bool = False
     block_ids: list[int] = field(default_factory=list)
     draft_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        assert self.num_tokens >= 1, f"a scheduled row needs >= 1 token, got {self.num_tokens}"
-        assert 0 <= self.num_logits <= self.num_tokens, (
-            f"num_logits={self.num_logits} must be in [0, num_tokens={self.num_tokens}]")
-        assert not self.draft_token_ids or self.num_logits == len(self.draft_token_ids) + 1, (
-            f"a verify row of {len(self.draft_token_ids)} drafts needs "
-            f"{len(self.draft_token_ids) + 1} logits, got {self.num_logits}")
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
-    def samples(self) -> bool:
-        """Whether this row samples at least one token."""
-        return self.num_logits > 0
-
-    @property
     def kind(self) -> str:
-        """padding | chunk (a prefill piece that samples nothing) | decode | verify | prefill."""
-        if self.is_padding:
-            return "padding"
-        if not self.samples:
+        """chunk (a prefill piece that samples nothing) | decode | verify | prefill."""
+        if not self.num_logits:
             return "chunk"
         if self.num_logits > 1:
             return "verify"
@@ -89,6 +69,10 @@ class ScheduledSequence:
 class SchedulerOutput:
     """What one step computes, plus what changed to get there.
 
+    scheduled              the rows computed for real
+    padding                static batching only: finished sequences that still hold their
+                           seat, recomputed at position start (= num_computed_tokens - 1)
+                           with their K/V written nowhere; nothing is sampled (static.py)
     admitted / preempted   sequence ids that joined / left the running batch in this step
     block_copies           copy-on-write (src, dst) block pairs to copy before the forward
     swap_out / swap_in     swap preemption's (device, host) / (host, device) block copies,
@@ -100,6 +84,7 @@ class SchedulerOutput:
 
     step: int
     scheduled: list[ScheduledSequence] = field(default_factory=list)
+    padding: list[ScheduledSequence] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -113,10 +98,6 @@ class SchedulerOutput:
     num_evictable_blocks: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
     @property
     def num_logits(self) -> int:
@@ -137,10 +118,11 @@ class SchedulerOutput:
         if self.swap_in:
             head += f" | swap in {len(self.swap_in)} blocks"
         lines = [head, "   seq  request       kind     tokens  positions      logits  blocks"]
-        for row in self.scheduled:
+        rows = [(row, row.kind) for row in self.scheduled]
+        for row, kind in rows + [(row, "padding") for row in self.padding]:
             positions = f"[{row.start}, {row.end})"
             drafts = f"  drafts {list(row.draft_token_ids)}" if row.draft_token_ids else ""
-            lines.append(f"  {row.seq.seq_id:>4}  {row.seq.request_id:<12.12}  {row.kind:<7}"
+            lines.append(f"  {row.seq.seq_id:>4}  {row.seq.request_id:<12.12}  {kind:<7}"
                          f"  {row.num_tokens:>6}  {positions:<13}  {row.num_logits:>6}  "
                          f"{_short(row.block_ids)}{drafts}")
         lines.append(f"  budget {self.num_batched_tokens}/{self.max_num_batched_tokens} tokens"
@@ -157,43 +139,35 @@ def _short(block_ids: list[int], keep: int = 8) -> str:
            f" ({len(block_ids)} blocks)"
 
 
+@dataclass(frozen=True)
+class ChildDraw:
+    """The first token of child i (1..n-1) of a parallel-sampling request, drawn from its
+    parent's logits row with the child's own generator (now advanced by that draw, the
+    child's from then on), and that token's logprobs when the request asks for them."""
+
+    token_id: int
+    generator: np.random.Generator
+    logprobs: dict | None = None
+
+
 @dataclass
 class SampledTokens:
     """What the engine's sampling stage hands to `Scheduler.update`.
 
-    token_ids       seq_id -> the tokens to append (1 per sampling row; 1..k+1 after a
-                    speculative verify: the accepted drafts, then a recovered or bonus token).
-                    Never empty.
-    fork_token_ids  parent seq_id -> the first token of each child 1..n-1 of a parallel-
-                    sampling request that sampled its first token this step. `update` forks
-                    the children (sharing the parent's blocks) only when it applies the step,
-                    so a step that fails before `update` leaves no child behind.
-    generators      (parent seq_id, child index) -> the child's random generator, already
-                    advanced by its first draw; the engine keeps it for the child's later
-                    tokens. Not read by the scheduler.
-    logprobs        seq_id (or (parent seq_id, child index)) -> the sampled token's logprobs
-                    (refserve/logprobs.py), for rows whose request asked for them. Not read
-                    by the scheduler.
+    token_ids   seq_id -> the tokens to append (1 per sampling row; 1..k+1 after a
+                speculative verify: the accepted drafts, then a recovered or bonus token).
+                Never empty.
+    logprobs    seq_id -> the sampled token's logprobs (refserve/logprobs.py), for rows
+                whose request asked for them.
+    children    parent seq_id -> the `ChildDraw` of each child 1..n-1 of a parallel-sampling
+                request that sampled its first token this step. `update` forks the children
+                (sharing the parent's blocks) only when it applies the step, so a step that
+                fails before `update` leaves no child behind.
     """
 
     token_ids: dict[int, list[int]] = field(default_factory=dict)
-    fork_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    generators: dict[tuple[int, int], np.random.Generator] = field(default_factory=dict)
-    logprobs: dict = field(default_factory=dict)
-
-    def check_covers(self, output: SchedulerOutput) -> None:
-        """Raise unless these tokens can apply to `output`: no empty token list (a sampling
-        row appends at least one token), and a token list for every running sequence of a
-        row that samples (padding rows and sequences aborted since schedule() need none)."""
-        for seq_id, tokens in [*self.token_ids.items(), *self.fork_token_ids.items()]:
-            if not tokens:
-                raise ValueError(f"update(): sequence {seq_id} got an empty token list; a "
-                                 "sampling row appends at least one token")
-        for row in output.scheduled:
-            seq = row.seq
-            if (row.samples and not row.is_padding and seq.status is SequenceStatus.RUNNING
-                    and seq.seq_id not in self.token_ids):
-                raise KeyError(f"update(): no sampled token for sequence {seq.seq_id}")
+    logprobs: dict[int, dict] = field(default_factory=dict)
+    children: dict[int, list[ChildDraw]] = field(default_factory=dict)
 
 
 @dataclass

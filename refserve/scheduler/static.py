@@ -8,7 +8,8 @@ difference can be measured in slot-steps used vs wasted.
   decoded together. Nobody joins until the whole batch has finished.
 * A finished member is retired (returned by `update`) but keeps its seat and its blocks: it
   sits in `padding` and is still computed each step as a wasted decode row
-  (`is_padding=True`) until the batch ends, when all its blocks are freed.
+  (`SchedulerOutput.padding`: its last cached token recomputed, its K/V written nowhere, by
+  static_runner.py) until the batch ends, when all its blocks are freed.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from collections.abc import Mapping
 
 from refserve.capacity import blocks_for_tokens
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.scheduler.base import NO_PROPOSALS, SchedulerBase
 from refserve.scheduler.drafts import Proposal
 from refserve.scheduler.output import ScheduledSequence, SchedulerOutput
+from refserve.scheduler.scheduler import NO_PROPOSALS, Scheduler
 from refserve.sequence import Sequence, SequenceStatus
 
 
-class StaticScheduler(SchedulerBase):
+class StaticScheduler(Scheduler):
     """Request-level (static) batching (see the module docstring)."""
 
     batching = "static"
@@ -49,8 +50,8 @@ class StaticScheduler(SchedulerBase):
         for seq in self.padding:
             if budget == 0 or seq.num_computed_tokens == 0:
                 continue
-            out.scheduled.append(ScheduledSequence(
-                seq, 1, seq.num_computed_tokens - 1, num_logits=0, is_padding=True,
+            out.padding.append(ScheduledSequence(
+                seq, 1, seq.num_computed_tokens - 1, num_logits=0,
                 block_ids=kv.get_block_ids(seq.seq_id)))  # a copy already
             budget -= 1
         return self._end_step(out)
@@ -84,5 +85,5 @@ class StaticScheduler(SchedulerBase):
     def _on_running_left(self) -> None:
         if not self.running:  # the batch has ended
             for seq in self.padding:
-                self._release_blocks(seq)
+                self.kv_cache_manager.release(seq)
             self.padding.clear()

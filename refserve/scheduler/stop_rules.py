@@ -40,9 +40,12 @@ from refserve.sequence import Sequence, SequenceStatus
 
 
 def append_tokens(seq: Sequence, token_ids: list[int], eos_token_id: int | None,
-                  max_model_len: int) -> SequenceStatus | None:
+                  max_model_len: int, logprobs: dict | None = None) -> SequenceStatus | None:
     """Append `token_ids` one at a time, applying the stop rules after each; stop at the
-    first token that finishes the sequence. Returns the finish status (None: it runs on)."""
+    first token that finishes the sequence. Returns the finish status (None: it runs on).
+    `logprobs`: the sampled token's (a row asking for logprobs samples one token)."""
+    if logprobs is not None:
+        seq.output_logprobs.append(logprobs)
     params = seq.sampling_params
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
     detok = seq.detokenizer

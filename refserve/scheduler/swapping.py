@@ -22,8 +22,9 @@ The life of a swapped sequence:
     end of    `flush(out)`: ONE host_pool.swap_out over all of this step's victims, so a
     schedule  device block two victims share (forked siblings, prefix hits) is copied once
               and its host block gets ref count 2
-    readmit   `swap_in(seq)`: fresh device blocks, host -> device copies; the sequence
-              resumes where it stopped (no prefix lookup: its own KV comes back)
+    readmit   `swap_in(seq, n, out)`: fresh device blocks, host -> device copies, and the
+              slots of its next n tokens; the sequence resumes where it stopped (no
+              prefix lookup: its own KV comes back)
 
 Full host pool. A victim whose blocks (with this step's other victims') do not fit the host
 blocks left is preempted by recompute instead; `num_fallbacks` counts those. A sequence
@@ -86,11 +87,19 @@ class Swapper:
         end = seq.num_computed_tokens + num_new_tokens
         return max(host, blocks_for_tokens(end, self.kv.block_size))
 
-    def swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Readmit: the manager gives seq fresh blocks holding its host blocks' KV; the
-        (host, device) copies go to out.swap_in."""
+    def swap_in(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput
+                ) -> list[tuple[int, int]] | None:
+        """Readmit with `num_new_tokens` to compute: if the pool holds its swapped blocks
+        back plus its new ones, the manager gives seq fresh blocks for its host blocks' KV
+        (the (host, device) copies go to out.swap_in) and slots for the new tokens, whose
+        copy-on-write pairs are returned; None (nothing changed) if the pool is short."""
+        if self.blocks_to_resume(seq, num_new_tokens) > self.kv.num_available_blocks:
+            return None
         out.swap_in.extend(self.kv.swap_in(seq, self.host_pool))
         self.num_swapped_in += 1
+        copies = self.kv.allocate_slots(seq, num_new_tokens)
+        assert copies is not None, "blocks_to_resume covers the new tokens' blocks"
+        return copies
 
     def release(self, seq: Sequence) -> None:
         """An aborted sequence drops its host blocks (or its pending swap-out)."""

@@ -271,7 +271,7 @@ class SimulatedEngine:
             now = self.clock = now + draft_seconds + step_time(out)
             sampled = {}
             for row in out.scheduled:
-                if row.num_logits and not row.is_padding:
+                if row.num_logits:
                     seq = row.seq
                     sampled[seq.seq_id] = outputs.sample(row, request_of[seq.seq_id])
             update = sched.update(out, sampled)

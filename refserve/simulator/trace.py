@@ -84,8 +84,6 @@ class TraceRecorder:
         scheduled: dict[str, tuple[str, object]] = {}
         prefill_tokens = decode_rows = 0
         for row in out.scheduled:
-            if row.is_padding:
-                continue
             rid = row.seq.request_id
             self._request_of[row.seq.seq_id] = rid
             decoding = row.kind in ("decode", "verify")
@@ -270,7 +268,7 @@ class _Observer:
     def step(self, t_start, t_end, out, update, outputs) -> None:
         # A request added before the trace was attached starts its track when first seen.
         for row in out.scheduled:
-            if not row.is_padding and not self.recorder.knows(row.seq.request_id):
+            if not self.recorder.knows(row.seq.request_id):
                 self.arrive(row.seq.request_id, t_start)
         # KV blocks after the step (retired sequences' blocks already freed); the
         # simulator samples them before the retirements.

@@ -38,5 +38,5 @@ speculation is
     prepare / copy_blocks / forward          a verify row is k + 1 query tokens
     sampled = engine.sample(out, logits, proposals)   verify rows through speculation/verify.py
     update = scheduler.update(out, sampled)  append accepted + 1 under the stop rules, roll
-                                             back the rest (drafts.roll_back)
+                                             back the rest
 """

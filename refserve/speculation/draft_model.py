@@ -163,11 +163,10 @@ class DraftModelProposer(Proposer):
                     continue  # done, or stopped early (pool short)
                 shadow = shadows[i]
                 n = shadow.num_tokens - shadow.num_computed_tokens
-                if not kv.can_allocate(shadow, n):
+                if kv.allocate_slots(shadow, n) is None:
                     if step == 0:
                         self._drop(seqs[i].seq_id)
                     continue
-                kv.allocate_slots(shadow, n)
                 out.scheduled.append(ScheduledSequence(
                     shadow, n, shadow.num_computed_tokens, num_logits=1,
                     block_ids=kv.get_block_ids(shadow.seq_id)))

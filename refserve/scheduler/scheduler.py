@@ -1,0 +1,480 @@
+"""Continuous batching (iteration-level scheduling, as in Orca and vLLM): the `Scheduler`.
+
+The batch is rebuilt every step. There are no prefill and decode phases: every sequence's
+`num_computed_tokens` chases its `num_tokens`, and a step gives each scheduled sequence its
+next query tokens. `schedule()` does, in this order:
+
+    ADVANCE  running sequences, in the scheduling policy's running order (oldest first;
+             "priority": most urgent first, scheduling_policy.py). Each gets its next row:
+                 real  = min(tokens left to compute, budget left, long-prefill cap)
+                 n     = real + the drafts that fit (speculative decoding, drafts.py)
+             1 for a decode, the next chunk of an unfinished prefill (chunked prefill),
+             1 + k for a verify. Its KV slots come from `kv.allocate_slots`.
+    PREEMPT  while allocate_slots(...) is None (the pool is short): a verify row first drops
+             its drafts; then the policy's victim (the NEWEST running sequence; "priority":
+             the least urgent, newest among equals; always the last of the running order, so
+             never one already served this step) is preempted. By recompute: its blocks are
+             freed and it goes back to the HEAD of the waiting queue with its tokens kept, to
+             be prefilled again. By swap (preemption_mode="swap", swapping.py): its KV goes
+             to the host pool and comes back on readmission. The newest has the least work
+             to lose and arrived last, so the oldest requests keep progressing.
+    ADMIT    waiting sequences in the policy's order (fcfs: the queue as it stands), while
+             the seats (max_num_seqs), the token budget (max_num_batched_tokens) and the
+             pool allow. The first that does not fit stops admission: nobody skips ahead
+             except by the policy's order. Admission never preempts, and a step that had to
+             preempt admits nobody (the pool just proved short).
+
+`update()` then applies the computed step (UPDATE below) and RETIRES finished sequences,
+which give their seats and blocks back in the same step, so the next `schedule()` refills
+them. `update` is the ONLY place a sequence finishes (abort, the user's call, is the only
+other way out) and the only place `num_computed_tokens` advances (preemption by recompute
+resets it).
+
+Limits of one step (both hold for every `SchedulerOutput`):
+
+    token budget  sum of scheduled query tokens <= max_num_batched_tokens
+    seats         sum of seq.num_seats over running sequences <= max_num_seqs
+                  (a parent of an n > 1 request that has not forked yet holds n seats)
+
+Slot-steps measure how well the batch is used: one slot-step is one seat for one step, *used*
+when a real sequence is computed in it and *wasted* when a finished sequence is still computed
+as padding (static batching only, static.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from refserve.kv_cache.host_pool import HostBlockPool
+from refserve.kv_cache.kv_cache_manager import KVCacheManager
+from refserve.scheduler.drafts import Proposal, count_verified, drafts_that_fit
+from refserve.scheduler.fits import check_fits, check_scheduler_args
+from refserve.scheduler.forking import Forking
+from refserve.scheduler.output import (
+    SampledTokens,
+    ScheduledSequence,
+    SchedulerOutput,
+    StepUpdate,
+)
+from refserve.scheduler.scheduling_policy import SchedulingPolicy, make_policy
+from refserve.scheduler.step_retry import carry_over, last_per_destination
+from refserve.scheduler.stop_rules import append_tokens
+from refserve.scheduler.swapping import Swapper
+from refserve.sequence import Sequence, SequenceStatus
+
+NO_PROPOSALS: Mapping[int, Proposal] = {}
+
+
+class RowPlan(NamedTuple):
+    """A sequence's next row, before its slots are allocated."""
+
+    start: int                    # first position computed (prefix-cache hits skipped)
+    num_tokens: int               # query tokens, drafts included
+    computed_blocks: list[int]    # prefix-cache hit blocks to attach (first allocation)
+    drafts: tuple[int, ...]       # the drafts the row verifies after its real tokens
+
+
+class Scheduler(Forking):
+    """Continuous batching (see the module docstring).
+
+    Invariants between calls:
+      * `waiting` (FIFO, head first) holds WAITING sequences; none of them holds blocks.
+      * `running` holds RUNNING sequences, oldest first; sum of num_seats <= max_num_seqs.
+      * finished sequences are in neither queue (static batching keeps them in `padding`
+        until their batch ends).
+    """
+
+    batching = "continuous"
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
+                 kv_cache_manager: KVCacheManager, max_model_len: int,
+                 eos_token_id: int | None = None,
+                 long_prefill_token_threshold: int = 0,
+                 scheduling_policy: str | SchedulingPolicy = "fcfs",
+                 preemption_mode: str = "recompute",
+                 host_pool: HostBlockPool | None = None) -> None:
+        check_scheduler_args(max_num_seqs, max_num_batched_tokens, max_model_len,
+                             long_prefill_token_threshold, preemption_mode, host_pool)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        # vLLM's cap on the tokens one prefill takes per step (0: none), so a long prompt
+        # leaves budget for the requests behind it.
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.policy = (scheduling_policy if isinstance(scheduling_policy, SchedulingPolicy)
+                       else make_policy(scheduling_policy))
+        self.preemption_mode = preemption_mode
+        self.swapper = Swapper(host_pool, kv_cache_manager) if host_pool is not None else None
+
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[int, Sequence] = {}  # every unfinished sequence
+        self._pending: SchedulerOutput | None = None  # scheduled, not yet updated
+        self._riders: dict[int, list[Sequence]] = {}  # parent id -> children forked mid-step
+        # Sequence ids are per scheduler (so per engine): re-running a notebook cell or a
+        # test gives the same ids.
+        self._seq_ids = itertools.count()
+
+        self.num_steps = 0
+        self.slot_steps_used = 0
+        self.slot_steps_wasted = 0
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed tokens whose KV recompute preemption dropped
+
+    # ---- queries ------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_seats_used(self) -> int:
+        return sum(seq.num_seats for seq in self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def new_seq_id(self) -> int:
+        """The next sequence id of this scheduler (0, 1, 2, ...)."""
+        return next(self._seq_ids)
+
+    # ---- requests in and out ------------------------------------------------------------
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a new sequence at the tail of `waiting`; give it an id if it has none.
+        Raises ValueError if it could never run (see `fits.check_fits`)."""
+        if seq.seq_id is not None and seq.seq_id in self._by_id:
+            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}, not waiting")
+        self.check_fits(seq.num_tokens, seq.num_seats)
+        if seq.seq_id is None:
+            seq.seq_id = self.new_seq_id()
+        self._by_id[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def check_fits(self, num_prompt_tokens: int, num_seats: int = 1) -> None:
+        """Raise ValueError if a prompt could never run here (see `fits.check_fits`)."""
+        kv = self.kv_cache_manager
+        check_fits(num_prompt_tokens, num_seats, max_model_len=self.max_model_len,
+                   max_num_seqs=self.max_num_seqs, num_blocks=kv.num_blocks,
+                   block_size=kv.block_size)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Stop a waiting, preempted or running sequence now; its blocks are freed at once.
+        Returns the sequence, or None if no unfinished sequence has this id."""
+        seq = self._by_id.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            if self.swapper is not None:
+                self.swapper.release(seq)
+        else:
+            self.running.remove(seq)
+            self.kv_cache_manager.release(seq)
+            self._on_running_left()
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        return seq
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
+        """One step's decision: ADVANCE running sequences (preempting the newest while the
+        pool is short), then ADMIT waiting ones unless this step preempted. `proposals`:
+        this step's drafts by seq_id (they ride the rows they fit, drafts.py)."""
+        out = self._begin_step()
+        budget = self._advance(out, self.max_num_batched_tokens, proposals)
+        if not out.preempted:
+            self._admit(out, budget)
+        return self._end_step(out)
+
+    def _advance(self, out: SchedulerOutput, budget: int,
+                 proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> int:
+        """ADVANCE every running sequence in the policy's running order while budget is
+        left (module docstring). Returns the budget left."""
+        for seq in self.policy.running_order(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            proposal = proposals.get(seq.seq_id)
+            plan = self._plan_row(seq, budget, proposal.token_ids if proposal else ())
+            while (copies := self.kv_cache_manager.allocate_slots(
+                    seq, plan.num_tokens, plan.computed_blocks)) is None:
+                if plan.drafts:  # speculation is optional: drop the drafts before preempting
+                    plan = self._plan_row(seq, budget)
+                    continue
+                # BEGIN EXERCISE scheduler_preempt: preempt the NEWEST running sequence (maybe seq)
+                victim = self.policy.preemption_victim(self.running)  # fcfs: the newest
+                if victim is seq and len(self.running) == 1:
+                    raise RuntimeError(
+                        f"sequence {seq.seq_id} alone cannot fit its {seq.num_tokens} tokens "
+                        f"in the KV pool ({self.kv_cache_manager.num_blocks} blocks of "
+                        f"{self.kv_cache_manager.block_size}); the engine must size the pool "
+                        f"for max_model_len={self.max_model_len}")
+                self._preempt(victim, out)
+                if victim is seq:
+                    return budget  # seq was the last of the running order: nobody is left
+                # END EXERCISE
+            self._add_row(seq, plan, copies, out)
+            budget -= plan.num_tokens
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """ADMIT waiting sequences in the policy's order (fcfs: from the head): the FIRST of
+        the order joins `running` if a seat is free, budget is left and the pool holds its
+        first row (after prefix-cache hits); otherwise admission stops for this step. The
+        admitted leave `waiting`, and the policy hears of the round (lpm's guard counts it)."""
+        if not self.waiting:
+            return
+        queue = list(self.waiting)
+        order = self.policy.order(queue, self.kv_cache_manager.prefix_match_length)
+        admitted: list[Sequence] = []
+        # BEGIN EXERCISE scheduler_admit: in `order` while seats, budget and blocks allow
+        seats_used = self.num_seats_used
+        for seq in order:
+            if budget <= 0 or seats_used + seq.num_seats > self.max_num_seqs:
+                break
+            plan = self._plan_row(seq, budget)
+            copies = self._allocate_admitted(seq, plan, out)
+            if copies is None:
+                break
+            self._add_row(seq, plan, copies, out)
+            admitted.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seats_used += seq.num_seats
+            out.admitted.append(seq.seq_id)
+            budget -= plan.num_tokens
+        # END EXERCISE
+        if admitted:
+            left = {seq.seq_id for seq in admitted}
+            self.waiting = collections.deque(s for s in queue if s.seq_id not in left)
+        self.policy.on_admitted(queue, admitted)
+
+    def _plan_row(self, seq: Sequence, budget: int, drafts: tuple[int, ...] = ()) -> RowPlan:
+        """`seq`'s next row under `budget` (module docstring, ADVANCE). A sequence that holds
+        no blocks (being admitted) first looks up its prefix-cache hits, unless it resumes
+        from swap with its own KV. Pure: changes nothing."""
+        kv = self.kv_cache_manager
+        computed_blocks: list[int] = []
+        if not kv.has_sequence(seq.seq_id) and not self._is_swapped_out(seq):
+            computed_blocks, _ = kv.get_computed_blocks(seq)
+        start = seq.num_computed_tokens + len(computed_blocks) * kv.block_size
+        real_left = seq.num_tokens - start
+        if 0 < self.long_prefill_token_threshold < budget:
+            budget = self.long_prefill_token_threshold  # a long prefill leaves budget over
+        drafts = drafts[:drafts_that_fit(len(drafts), real_left, budget)] if drafts else ()
+        num_tokens = min(real_left, budget) + len(drafts)
+        assert num_tokens >= 1, f"{seq} has nothing left to compute"
+        return RowPlan(start, num_tokens, computed_blocks, drafts)
+
+    def _allocate_admitted(self, seq: Sequence, plan: RowPlan, out: SchedulerOutput
+                           ) -> list[tuple[int, int]] | None:
+        """allocate_slots for a sequence being admitted; one swapped out first gets its KV
+        back (swapping.py). None: the pool is short, nothing changed."""
+        if self._is_swapped_out(seq):
+            return self.swapper.swap_in(seq, plan.num_tokens, out)
+        return self.kv_cache_manager.allocate_slots(seq, plan.num_tokens, plan.computed_blocks)
+
+    def _add_row(self, seq: Sequence, plan: RowPlan, copies: list[tuple[int, int]],
+                 out: SchedulerOutput) -> None:
+        """Record seq's row (its slots are allocated). A row computes positions [start, end)
+        of token_ids + drafts and needs logits for those at or after the last real token,
+        once it reaches the end of token_ids + drafts: 1 for a decode or the last prefill
+        chunk, k + 1 for a verify of k drafts, 0 for a prefill chunk."""
+        end = plan.start + plan.num_tokens
+        last = seq.num_tokens + len(plan.drafts)
+        num_logits = end - max(plan.start, seq.num_tokens - 1) if end == last else 0
+        if seq.num_cached_tokens is None:  # vLLM's: the hit of the FIRST scheduling
+            seq.num_cached_tokens = len(plan.computed_blocks) * self.kv_cache_manager.block_size
+        out.block_copies.extend(copies)
+        out.scheduled.append(ScheduledSequence(
+            seq, plan.num_tokens, plan.start, num_logits,
+            block_ids=self.kv_cache_manager.get_block_ids(seq.seq_id),
+            draft_token_ids=plan.drafts))
+
+    def _is_swapped_out(self, seq: Sequence) -> bool:
+        return self.swapper is not None and self.swapper.is_swapped_out(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preemption by recompute: release every block, forget the computed KV, and put the
+        sequence at the HEAD of the waiting queue; its tokens stay in seq.token_ids and are
+        prefilled again on readmission. By swap (when the host pool has room): the blocks
+        are released too, but their KV is copied to the host pool first and
+        num_computed_tokens is kept (swapping.py)."""
+        self.running.remove(seq)
+        kv = self.kv_cache_manager
+        if self.swapper is None or not kv.has_sequence(seq.seq_id) or not self.swapper.defer(seq):
+            kv.release(seq)
+            self.num_recomputed_tokens += seq.num_computed_tokens
+            seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq.seq_id)
+        self._on_running_left()
+
+    def _begin_step(self) -> SchedulerOutput:
+        """A new output. If the last step was never applied (its forward or sampling
+        failed), its admissions are undone (they computed nothing: back to the head of the
+        queue, blocks released) and this step plans the same work again, with the copies of
+        it that still stand (step_retry.py)."""
+        out = SchedulerOutput(step=self.num_steps)
+        failed, self._pending, self._riders = self._pending, None, {}
+        if failed is not None:
+            for seq_id in reversed(failed.admitted):
+                seq = self._by_id.get(seq_id)
+                if seq is not None and seq.status is SequenceStatus.RUNNING and \
+                        seq.num_computed_tokens == 0:  # a swapped-in one keeps its KV
+                    self.running.remove(seq)
+                    self.kv_cache_manager.release(seq)
+                    seq.status = SequenceStatus.WAITING
+                    self.waiting.appendleft(seq)
+            carry_over(failed, out, self.kv_cache_manager.allocator,
+                       self.swapper.host_pool if self.swapper is not None else None)
+        return out
+
+    def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        if self.swapper is not None:
+            self.swapper.flush(out)  # this step's victims, in one swap_out
+            # A carried copy whose destination this step reused is moot: the last wins.
+            out.swap_out[:] = last_per_destination(out.swap_out)
+            out.swap_in[:] = last_per_destination(out.swap_in)
+        if not out.scheduled and self.has_unfinished():
+            # Cannot happen while add_sequence keeps every prompt within the pool; fail
+            # loudly rather than let a caller's `while has_unfinished()` spin forever.
+            raise RuntimeError(
+                f"the scheduler could schedule nothing with {self.num_waiting} waiting and "
+                f"{self.num_running} running sequences ({kv.num_available_blocks} of "
+                f"{kv.num_blocks} blocks free or evictable)")
+        rows = out.scheduled + out.padding
+        out.num_batched_tokens = sum(row.num_tokens for row in rows)
+        assert out.num_batched_tokens <= self.max_num_batched_tokens
+        assert self.num_seats_used <= self.max_num_seqs
+        out.max_num_batched_tokens = self.max_num_batched_tokens
+        out.num_seats_used = self.num_seats_used
+        out.max_num_seqs = self.max_num_seqs
+        out.num_held_blocks = kv.num_held_blocks
+        out.num_evictable_blocks = kv.num_evictable_blocks
+        out.num_free_blocks = kv.num_free_blocks
+        out.num_blocks = kv.num_blocks
+        self.slot_steps_used += len(out.scheduled)
+        self.slot_steps_wasted += len(out.padding)
+        self.num_steps += 1
+        if out.scheduled:
+            self._pending = out
+        return out
+
+    # ---- after the forward --------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput,
+               sampled: SampledTokens | dict[int, list[int]]) -> StepUpdate:
+        """UPDATE: apply one computed step; return what it decided (a `StepUpdate`).
+
+        `output` must be the latest `schedule()` result (one never applied is abandoned by
+        the next `schedule()`, which plans its work again). `sampled` is a `SampledTokens`
+        (or just its `token_ids` dict). First the children of parallel-sampling parents
+        are forked (`sampled.children`, forking.py), each with its own generator and first
+        token. Then, for each row's sequence (and the children riding its row):
+
+            append the sampled token(s) one by one under the stop rules (stop_rules.py);
+                a stop inside a verify row's run drops the tokens after it
+            num_computed_tokens = row.start + row.num_tokens, after a sampling row at most
+                num_tokens - 1: the last appended token has no K/V yet, and neither have
+                the positions past it (rejected drafts, tokens after a stop), whose blocks
+                go back to the pool (kv.trim)
+
+        then newly full blocks go to the prefix cache, and a finished sequence is RETIRED:
+        it leaves `running` and releases its blocks now (static batching: at batch end).
+        Sequences aborted after `schedule()` are skipped.
+        """
+        if output.scheduled and output is not self._pending:
+            raise ValueError(f"update() got step {output.step}, which is not the output of "
+                             "the last schedule() or was already applied")
+        if not isinstance(sampled, SampledTokens):
+            sampled = SampledTokens(token_ids=dict(sampled))
+        self._check_sampled(output, sampled)
+        # Checked: from here on the step is applied.
+        result = StepUpdate()
+        token_ids, logprobs = dict(sampled.token_ids), dict(sampled.logprobs)
+        for parent_id, draws in sampled.children.items():
+            parent = self._by_id.get(parent_id)
+            if parent is None or parent.status is not SequenceStatus.RUNNING:
+                continue  # aborted since schedule(): its children are never born
+            for index, draw in enumerate(draws, start=1):
+                child = parent.fork(self.new_seq_id(), index, draw.generator)
+                self.fork(parent, child)  # rides this step: advanced below like its parent
+                token_ids[child.seq_id] = [draw.token_id]
+                logprobs[child.seq_id] = draw.logprobs
+                result.forked.append(child)
+        self._pending = None
+        riders, self._riders = self._riders, {}
+        kv = self.kv_cache_manager
+        for row in output.scheduled:
+            for seq in [row.seq, *riders.get(row.seq.seq_id, [])]:
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # aborted since schedule()
+                computed = row.start + row.num_tokens
+                status = None
+                if row.num_logits:
+                    emitted = token_ids[seq.seq_id]
+                    before = seq.num_output_tokens
+                    status = append_tokens(seq, emitted, self.eos_token_id,
+                                           self.max_model_len, logprobs.get(seq.seq_id))
+                    kept = seq.output_token_ids[before:]
+                    result.appended[seq.seq_id] = kept
+                    computed = min(computed, seq.num_tokens - 1)
+                    if row.draft_token_ids:
+                        result.verified[seq.seq_id] = count_verified(
+                            len(row.draft_token_ids), len(emitted), len(kept))
+                seq.num_computed_tokens = computed
+                if row.draft_token_ids:
+                    kv.trim(seq, seq.num_tokens)  # the rolled-back slots' blocks
+                kv.cache_full_blocks(seq)
+                if status is not None:
+                    self._retire(seq, status)
+                    result.retired.append(seq)
+        return result
+
+    @staticmethod
+    def _check_sampled(output: SchedulerOutput, sampled: SampledTokens) -> None:
+        """Raise unless `sampled` can apply to `output`: no empty token list, and tokens for
+        every running sequence of a row that samples."""
+        for seq_id, tokens in sampled.token_ids.items():
+            if not tokens:
+                raise ValueError(f"update(): sequence {seq_id} got an empty token list; a "
+                                 "sampling row appends at least one token")
+        for row in output.scheduled:
+            if (row.num_logits and row.seq.status is SequenceStatus.RUNNING
+                    and row.seq.seq_id not in sampled.token_ids):
+                raise KeyError(f"update(): no sampled token for sequence {row.seq.seq_id}")
+
+    def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
+        """RETIRE (called by `update` only): a finished sequence leaves the running batch
+        in the step it finished."""
+        seq.status = status
+        self.running.remove(seq)
+        del self._by_id[seq.seq_id]
+        self._on_retired(seq)
+        self._on_running_left()
+
+    def _on_retired(self, seq: Sequence) -> None:
+        """Hook: what happens to a retired sequence's blocks. Continuous batching releases
+        them now (static batching keeps them until its batch ends)."""
+        self.kv_cache_manager.release(seq)
+
+    def _on_running_left(self) -> None:
+        """Hook: a sequence just left `running` (retired, aborted or preempted)."""

@@ -1,0 +1,33 @@
+"""The model runner of static batching: it also computes the step's padding rows.
+
+A static batch keeps a finished member in its seat until the whole batch ends
+(scheduler/static.py). That seat still costs a row of every forward: the member's last cached
+token is recomputed at its own position, over its own context, and the result is thrown away.
+Its K/V are written nowhere (slot -1): the block holding that position may be shared through
+the prefix cache, and a recomputed K/V need not equal the stored one bit for bit.
+
+So the padding is real work, priced exactly as a decode row, and the continuous engine's
+runner (model_runner.py) never reads about it.
+"""
+
+from __future__ import annotations
+
+from refserve.model_runner import ModelInputs, ModelRunner
+
+
+class StaticBatchRunner(ModelRunner):
+    """A ModelRunner whose `prepare` adds `out.padding` as decode rows that write nothing."""
+
+    def prepare(self, out) -> ModelInputs:
+        inputs = self.prepare_rows(out.scheduled + out.padding)
+        if not out.padding:
+            return inputs
+        # Flat row f is row_order[f] of the list above: the padding rows are its tail.
+        first_padding = len(out.scheduled)
+        slots = inputs.slot_mapping.copy()
+        for flat, i in enumerate(inputs.row_order.tolist()):
+            if i >= first_padding:
+                slots[inputs.query_start_loc[flat]] = -1
+        return self._inputs(inputs.input_ids, inputs.positions, slots, inputs.block_tables,
+                            inputs.context_lens, inputs.query_start_loc,
+                            inputs.logits_indices, inputs.row_order)
