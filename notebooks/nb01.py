@@ -14,7 +14,7 @@ block tables and the pool before and after each operation.
   copy-on-write, prefix caching)
 * code: `refserve/kv_cache/` (`block_allocator.py`, `block_table.py`,
   `kv_cache_manager.py`, `prefix_cache.py`; the radix tree: `radix_cache.py`,
-  `radix_policy.py`, `radix_draw.py`)
+  `radix_draw.py`)
 * grading: `pytest -m block_table`, `-m allocator`, `-m cow`, `-m prefix_cache`
 
 How to read the pictures: the top rows are block tables (one per sequence; `→7 KV 3/4` means

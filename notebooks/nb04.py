@@ -11,7 +11,7 @@ a small pool, measures TTFT and TPOT against batch size in-process, and replays 
 story of WARMUP.md §11 at Llama-3-8B scale on the simulator.
 
 * WARMUP.md §2 (capacity), §10 (the contract), §11 (war stories)
-* code: `refserve/capacity.py`, `refserve/metrics.py`, `refserve/scheduler/base.py` (preemption)
+* code: `refserve/capacity.py`, `refserve/metrics.py`, `refserve/scheduler/scheduler.py` (preemption)
 * grading: `pytest -m capacity`, `-m preemption`, `-m engine`
 """),
     ("code", r"""

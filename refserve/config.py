@@ -45,7 +45,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 BATCHING = ("continuous", "static")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
 PREFIX_CACHING_POLICIES = ("hash", "radix")  # kv_cache_manager.py checks the same list
-SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")  # scheduler/policy.py's
+SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")  # scheduler/scheduling_policy.py's
 PREEMPTION_MODES = ("recompute", "swap")  # scheduler/swapping.py's
 
 # The token budget of one step when max_num_batched_tokens is None, per backend, chosen as

@@ -1,5 +1,5 @@
 """One owner per lifecycle, checked on the source (issue 15): a sequence finishes in one
-place (`SchedulerBase.update` retires it, `abort` is the user's way out), output processing
+place (`Scheduler.update` retires it, `abort` is the user's way out), output processing
 only reports, and draft tokens never live on a Sequence."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def all_finishing_sites() -> dict[str, list[str]]:
 
 def test_a_sequence_finishes_only_in_update_retire_or_abort():
     assert all_finishing_sites() == {
-        "scheduler/base.py": ["_retire", "abort", "update"]}
+        "scheduler/scheduler.py": ["_retire", "abort", "update"]}
 
 
 def test_the_checker_sees_a_second_retirement_path():
@@ -66,6 +66,49 @@ def test_output_processing_only_reads_what_update_decided():
     assert not {"finish", "abort", "_retire", "status"} & {
         ast.unparse(t).split(".")[-1] for n in ast.walk(tree) if isinstance(n, ast.Assign)
         for t in n.targets}
+
+
+def computed_token_writers(tree: ast.AST) -> list[str]:
+    """Functions that assign to some `x.num_computed_tokens` (in a module's source)."""
+    sites = []
+
+    def visit(node, func):
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                else func
+            targets = (child.targets if isinstance(child, ast.Assign) else
+                       [child.target] if isinstance(child, (ast.AugAssign, ast.AnnAssign))
+                       else [])
+            if any(isinstance(t, ast.Attribute) and t.attr == "num_computed_tokens"
+                   for t in targets):
+                sites.append(name)
+            visit(child, name)
+
+    visit(tree, "<module>")
+    return sorted(set(sites))
+
+
+def test_num_computed_tokens_has_one_writer_in_the_scheduler():
+    """update advances it, preemption by recompute resets it; a Sequence sets it when it is
+    made (or forked), and the draft-model proposer keeps its own shadow sequences."""
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        source = path.read_text().split('if __name__ == "__main__":')[0]  # demos aside
+        writers = computed_token_writers(ast.parse(source))
+        if writers:
+            found[str(path.relative_to(ROOT))] = writers
+    assert found == {"scheduler/scheduler.py": ["_preempt", "update"],
+                     "sequence.py": ["__init__", "fork"],
+                     "speculation/draft_model.py": ["_sync", "propose"]}
+    # negative control: a second writer is seen
+    assert computed_token_writers(ast.parse(
+        "def _add_row(seq):\n    seq.num_computed_tokens += 4\n")) == ["_add_row"]
+
+
+def test_output_processing_forgets_nothing():
+    """Finished requests are forgotten by the engine; the output processor deletes nothing."""
+    tree = ast.parse((ROOT / "output_processor.py").read_text())
+    assert not any(isinstance(n, ast.Delete) for n in ast.walk(tree))
 
 
 def test_no_draft_tokens_on_a_sequence():

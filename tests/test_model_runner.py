@@ -11,13 +11,14 @@ from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
 from refserve.backends.numpy_backend import NumpyBackend
 from refserve.model_runner import ModelRunner
 from refserve.models.loader import load_model
+from refserve.static_runner import StaticBatchRunner
 
 
-def fake_runner(block_size=4):
+def fake_runner(block_size=4, runner=ModelRunner):
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=2,
                              vocab_size=10)
-    return ModelRunner(SimpleNamespace(config=config), NumpyBackend(), num_blocks=16,
-                       block_size=block_size)
+    return runner(SimpleNamespace(config=config), NumpyBackend(), num_blocks=16,
+                  block_size=block_size)
 
 
 def test_prepare_by_hand():
@@ -25,8 +26,10 @@ def test_prepare_by_hand():
     decode = row(list(range(200, 206)), 5, 1, [9, 1])                    # position 5
     verify = row([300, 301, 302], 2, 3, [4, 6], num_logits=3,            # 302 + 2 drafts
                  draft_token_ids=[303, 304])
-    padding = row([400, 401, 402], 2, 1, [5], num_logits=0, is_padding=True)
-    inputs = fake_runner().prepare(SimpleNamespace(scheduled=[chunk, decode, verify, padding]))
+    padding = row([400, 401, 402], 2, 1, [5], num_logits=0)
+    # Static batching's runner adds the padding rows (the continuous runner never sees them).
+    inputs = fake_runner(runner=StaticBatchRunner).prepare(
+        SimpleNamespace(scheduled=[chunk, decode, verify], padding=[padding]))
     # Decodes first (the decode, then the padding row), then chunk and verify, in order.
     assert inputs.row_order.tolist() == [1, 3, 0, 2]
     assert inputs.input_ids.tolist() == [205, 402, 102, 103, 104, 105, 106, 107, 302, 303, 304]

@@ -18,8 +18,8 @@ import numpy as np
 from model_utils import row
 
 from refserve.backends.numpy_backend import NumpyBackend
-from refserve.model_runner import ModelRunner
 from refserve.models.loader import load_model
+from refserve.static_runner import StaticBatchRunner
 
 
 class DeviceArray(np.ndarray):
@@ -119,17 +119,17 @@ def mixed_step(rng):
         row(seqs[0], 8, 16, tables[0], num_logits=0),        # chunk in the middle of a prompt
         row(seqs[1], 20, 1, tables[1]),                      # decode
         row(seqs[2], 39, 1, tables[2]),                      # decode
-        row(seqs[3], 11, 1, tables[3], num_logits=0, is_padding=True),
         row(seqs[4], 22, 4, tables[4], num_logits=4),        # verify: 3 drafts + 1
     ]
-    return SimpleNamespace(scheduled=rows, block_copies=[(0, nxt)]), nxt + 1
+    padding = [row(seqs[3], 11, 1, tables[3], num_logits=0)]  # static batching's
+    return SimpleNamespace(scheduled=rows, padding=padding, block_copies=[(0, nxt)]), nxt + 1
 
 
 def test_forward_reads_nothing_back_from_the_device(tiny_folder, monkeypatch):
     backend = CountingBackend()
     model = load_model(tiny_folder, backend)
     out, num_blocks = mixed_step(np.random.default_rng(0))
-    runner = ModelRunner(model, backend, num_blocks=num_blocks, block_size=4)
+    runner = StaticBatchRunner(model, backend, num_blocks=num_blocks, block_size=4)
     inputs = runner.prepare(out)
     runner.copy_blocks(out.block_copies)
     _count_asarray(monkeypatch)

@@ -13,9 +13,8 @@ from refserve import capacity
 from refserve.config import EngineConfig
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.metrics import RunSummary
-from refserve.scheduler.base import SchedulerBase
-from refserve.scheduler.continuous import Scheduler
-from refserve.scheduler.policy import LongestPrefixMatch
+from refserve.scheduler.scheduler import Scheduler
+from refserve.scheduler.scheduling_policy import LongestPrefixMatch
 from refserve.scheduler.static import StaticScheduler
 from refserve.simulator import (
     CostModel,
@@ -52,7 +51,7 @@ def test_the_simulator_runs_the_real_scheduler_and_kv_cache_manager():
         module = __import__(f"refserve.simulator.{path.stem}", fromlist=["x"])
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ == module.__name__:
-                assert not issubclass(cls, (SchedulerBase, KVCacheManager)), cls
+                assert not issubclass(cls, (Scheduler, KVCacheManager)), cls
 
 
 def test_the_simulator_runs_the_configs_cache_and_scheduling_policies():

@@ -264,7 +264,8 @@ def test_victims_of_one_step_share_their_host_blocks():
     assert len(out.swap_out) == 3 and host.host_table(0) == host.host_table(1)
     assert [host.ref_count(h) for h in host.host_table(0)] == [2, 2, 2]
     back = SchedulerOutput(step=1)
-    swapper.swap_in(a, back)  # alone: its own device copies; b keeps the host blocks
+    # Alone: its own device copies; b keeps the host blocks.
+    assert swapper.swap_in(a, 0, back) == []
     assert len(back.swap_in) == 3 and kv.get_block_ids(0) == [d for _, d in back.swap_in]
     assert [host.ref_count(h) for h in host.host_table(1)] == [1, 1, 1]
     kv.check_invariants()

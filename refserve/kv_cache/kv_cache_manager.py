@@ -56,7 +56,8 @@ from refserve.config import PREFIX_CACHING_POLICIES
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
 from refserve.kv_cache.block_table import BlockTable
 from refserve.kv_cache.host_pool import HostBlockPool
-from refserve.kv_cache.prefix_cache import PrefixCache, make_prefix_cache
+from refserve.kv_cache.prefix_cache import HashChainCache, PrefixCache
+from refserve.kv_cache.radix_cache import RadixCache
 
 if TYPE_CHECKING:
     from refserve.sequence import Sequence
@@ -78,9 +79,12 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_caching_policy = prefix_caching_policy
         self.allocator = BlockAllocator(num_blocks)
-        # Who finds the hits and evicts: the hash chain, the radix tree, or nobody.
-        self.prefix_cache: PrefixCache = make_prefix_cache(
-            enable_prefix_caching, prefix_caching_policy, block_size, self.allocator)
+        # Who finds the hits and evicts: the hash chain, the radix tree, or nobody. Only
+        # the one in use is built.
+        cache = PrefixCache
+        if enable_prefix_caching:
+            cache = RadixCache if prefix_caching_policy == "radix" else HashChainCache
+        self.prefix_cache: PrefixCache = cache(block_size, self.allocator)
         self._tables: dict[int, BlockTable] = {}
         # Prefix-cache hit rate, counted in tokens. A sequence is counted when it gets its
         # first blocks (its admission): queried += its num_tokens, hit += tokens found in
@@ -122,8 +126,6 @@ class KVCacheManager:
     def radix_tree(self):
         """The RadixCache under prefix_caching_policy="radix" (to print or draw it with
         radix_draw.draw_radix_tree); None under "hash" or with caching off."""
-        from refserve.kv_cache.radix_cache import RadixCache
-
         return self.prefix_cache if isinstance(self.prefix_cache, RadixCache) else None
 
     def cached_blocks(self) -> dict[int, tuple[int, ...]]:

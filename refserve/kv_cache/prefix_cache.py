@@ -340,19 +340,6 @@ class HashChainCache(PrefixCache):
         return f"HashChainCache({self.cached_blocks()})"
 
 
-def make_prefix_cache(enabled: bool, policy: str, block_size: int,
-                      allocator: BlockAllocator) -> PrefixCache:
-    """The prefix cache for enable_prefix_caching / prefix_caching_policy: only the one in
-    use is built."""
-    if not enabled:
-        return PrefixCache(block_size, allocator)
-    if policy == "radix":
-        from refserve.kv_cache.radix_cache import RadixCache  # the tree only when used
-
-        return RadixCache(block_size, allocator)
-    return HashChainCache(block_size, allocator)
-
-
 if __name__ == "__main__":
     allocator = BlockAllocator(4)
     cache = HashChainCache(2, allocator)

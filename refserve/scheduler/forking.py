@@ -35,15 +35,12 @@ class Forking:
             child.seq_id = self.new_seq_id()
         if child.seq_id in self._by_id:
             raise ValueError(f"fork: sequence {child.seq_id} is already scheduled")
-        rides = False
-        if self._pending is not None:
-            for row in self._pending.scheduled:
-                if row.seq is parent:
-                    if child.num_computed_tokens != row.start:
-                        raise ValueError(f"fork between schedule() and update(): child "
-                                         f"{child.seq_id} must copy the parent as scheduled "
-                                         f"(num_computed_tokens={row.start})")
-                    rides = True
+        rides = self._pending is not None and any(
+            row.seq is parent for row in self._pending.scheduled)
+        if rides and (child.num_computed_tokens != parent.num_computed_tokens
+                      or child.token_ids != parent.token_ids):
+            raise ValueError(f"fork between schedule() and update(): child {child.seq_id} "
+                             "must copy the parent as scheduled (parent.fork() does)")
         # Validated: from here on nothing can fail.
         self.kv_cache_manager.fork(parent, child)
         parent.awaiting_fork = False

@@ -2,7 +2,7 @@
 
 If a stage after `schedule()` fails (the forward or sampling raised), `update()` never runs
 for that output. Nothing was computed, every sequence keeps its blocks, and the next
-`schedule()` plans the same work again (`SchedulerBase._begin_step`). The failed step's
+`schedule()` plans the same work again (`Scheduler._begin_step`). The failed step's
 copies may not have run, so they are carried over, but only while their destination is
 still held:
 
