@@ -28,6 +28,9 @@ import json
 import re
 from pathlib import Path
 
+# The block arithmetic is the block table's (its append rule); capacity builds on it.
+from refserve.kv_cache.block_table import blocks_for_tokens  # noqa: F401 (re-exported)
+
 # ---- the arithmetic ----------------------------------------------------------------------
 
 
@@ -38,17 +41,6 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
         _require_positive_int(name, value)
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """ceil(num_tokens / block_size): blocks a sequence of `num_tokens` tokens occupies."""
-    _require_positive_int("block_size", block_size)
-    if not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens={num_tokens!r}: must be an integer >= 0")
-    # BEGIN EXERCISE blocks_for_tokens: ceil(num_tokens / block_size) in integers (no floats)
-    # -(-a // b) is ceiling division on integers, with no float rounding.
-    return -(-num_tokens // block_size)
-    # END EXERCISE
 
 
 def last_block_fill(num_tokens: int, block_size: int) -> int:

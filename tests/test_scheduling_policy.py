@@ -55,22 +55,31 @@ def test_priority_lower_first_ties_in_queue_order(priorities):
     assert keys == sorted(keys)
 
 
-def test_preemption_victim():
-    running = seqs(4, [0, 2, 2, 1])
-    assert SchedulingPolicy().preemption_victim(running) is running[-1]
-    assert LongestPrefixMatch().preemption_victim(running) is running[-1]
-    # Lowest priority is the largest value (2); the newest of the two.
-    assert PriorityPolicy().preemption_victim(running) is running[2]
-    with pytest.raises(ValueError, match="no running sequence"):
-        PriorityPolicy().preemption_victim([])
+def running_in_arrival_order(policy, arrivals):
+    """The running batch after admitting `arrivals` one by one, as the scheduler does."""
+    running = []
+    for seq in arrivals:
+        running.insert(policy.running_index(running, seq), seq)
+    return running
+
+
+def test_the_running_batch_keeps_the_victim_last():
+    arrivals = seqs(4, [0, 2, 2, 1])
+    assert running_in_arrival_order(SchedulingPolicy(), arrivals) == arrivals
+    assert running_in_arrival_order(LongestPrefixMatch(), arrivals) == arrivals
+    # Most urgent first, ties oldest first: the victim (last) is the newest of priority 2.
+    running = running_in_arrival_order(PriorityPolicy(), arrivals)
+    assert ids(running) == [0, 3, 1, 2]
 
 
 @given(st.lists(st.integers(-3, 3), min_size=1, max_size=20))
 def test_priority_victim_is_the_newest_of_the_lowest_priority(priorities):
-    running = seqs(len(priorities), priorities)
-    victim = PriorityPolicy().preemption_victim(running)
+    running = running_in_arrival_order(PriorityPolicy(), seqs(len(priorities), priorities))
+    victim = running[-1]
     assert victim.priority == max(priorities)
     assert victim.seq_id == max(i for i, p in enumerate(priorities) if p == max(priorities))
+    keys = [(seq.priority, seq.seq_id) for seq in running]
+    assert keys == sorted(keys)  # the budget goes to the most urgent first
 
 
 # ---- lpm ------------------------------------------------------------------------------------

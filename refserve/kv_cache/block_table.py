@@ -17,7 +17,7 @@ The flat KV slot of a position (the row `write_kv` scatters into) is
 
 so position 5 above goes to slot 2 * 4 + 1 = 9.
 
-The append rule: N tokens need blocks_needed(N) = ceil(N / block_size) blocks, so appending
+The append rule: N tokens need blocks_for_tokens(N) = ceil(N / block_size) blocks, so appending
 one token takes a new block if and only if the last block is exactly full (N was a multiple
 of block_size). The unused slots of the last block, blocks * block_size - N (at most
 block_size - 1), are the sequence's *internal fragmentation*: the only waste paging leaves.
@@ -36,7 +36,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from refserve.capacity import blocks_for_tokens
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size): blocks a sequence of `num_tokens` tokens occupies."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
+    if not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens!r}: must be an integer >= 0")
+    # BEGIN EXERCISE blocks_for_tokens: ceil(num_tokens / block_size) in integers (no floats)
+    # -(-a // b) is ceiling division on integers, with no float rounding.
+    return -(-num_tokens // block_size)
+    # END EXERCISE
 
 
 def slot_mapping(block_ids: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

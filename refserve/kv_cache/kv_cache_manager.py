@@ -51,10 +51,9 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING
 
-from refserve.capacity import blocks_for_tokens
 from refserve.config import PREFIX_CACHING_POLICIES
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
-from refserve.kv_cache.block_table import BlockTable
+from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens
 from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.prefix_cache import HashChainCache, PrefixCache
 from refserve.kv_cache.radix_cache import RadixCache

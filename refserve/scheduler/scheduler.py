@@ -4,16 +4,15 @@ The batch is rebuilt every step. There are no prefill and decode phases: every s
 `num_computed_tokens` chases its `num_tokens`, and a step gives each scheduled sequence its
 next query tokens. `schedule()` does, in this order:
 
-    ADVANCE  running sequences, in the scheduling policy's running order (oldest first;
-             "priority": most urgent first, scheduling_policy.py). Each gets its next row:
+    ADVANCE  running sequences, in the order of `running` (oldest first; "priority": most
+             urgent first, scheduling_policy.py). Each gets its next row:
                  real  = min(tokens left to compute, budget left, long-prefill cap)
                  n     = real + the drafts that fit (speculative decoding, drafts.py)
              1 for a decode, the next chunk of an unfinished prefill (chunked prefill),
              1 + k for a verify. Its KV slots come from `kv.allocate_slots`.
     PREEMPT  while allocate_slots(...) is None (the pool is short): a verify row first drops
-             its drafts; then the policy's victim (the NEWEST running sequence; "priority":
-             the least urgent, newest among equals; always the last of the running order, so
-             never one already served this step) is preempted. By recompute: its blocks are
+             its drafts; then the LAST running sequence is preempted: the newest ("priority":
+             the least urgent, newest among equals), never one already served this step. By recompute: its blocks are
              freed and it goes back to the HEAD of the waiting queue with its tokens kept, to
              be prefilled again. By swap (preemption_mode="swap", swapping.py): its KV goes
              to the host pool and comes back on readmission. The newest has the least work
@@ -82,7 +81,8 @@ class Scheduler(Forking):
 
     Invariants between calls:
       * `waiting` (FIFO, head first) holds WAITING sequences; none of them holds blocks.
-      * `running` holds RUNNING sequences, oldest first; sum of num_seats <= max_num_seqs.
+      * `running` holds RUNNING sequences in budget order (oldest first; "priority": most
+        urgent first), so its last is the preemption victim; sum of num_seats <= max_num_seqs.
       * finished sequences are in neither queue (static batching keeps them in `padding`
         until their batch ends).
     """
@@ -200,9 +200,9 @@ class Scheduler(Forking):
 
     def _advance(self, out: SchedulerOutput, budget: int,
                  proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> int:
-        """ADVANCE every running sequence in the policy's running order while budget is
-        left (module docstring). Returns the budget left."""
-        for seq in self.policy.running_order(self.running):
+        """ADVANCE every running sequence, in order, while budget is left (module
+        docstring). Returns the budget left."""
+        for seq in list(self.running):
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -215,7 +215,7 @@ class Scheduler(Forking):
                     plan = self._plan_row(seq, budget)
                     continue
                 # BEGIN EXERCISE scheduler_preempt: preempt the NEWEST running sequence (maybe seq)
-                victim = self.policy.preemption_victim(self.running)  # fcfs: the newest
+                victim = self.running[-1]  # the newest (priority: the least urgent)
                 if victim is seq and len(self.running) == 1:
                     raise RuntimeError(
                         f"sequence {seq.seq_id} alone cannot fit its {seq.num_tokens} tokens "
@@ -252,7 +252,7 @@ class Scheduler(Forking):
             self._add_row(seq, plan, copies, out)
             admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running.insert(self.policy.running_index(self.running, seq), seq)
             seats_used += seq.num_seats
             out.admitted.append(seq.seq_id)
             budget -= plan.num_tokens

@@ -11,10 +11,13 @@ vLLM's knob is `scheduling_policy`; refserve offers three values:
     priority  vLLM's `priority=` of generate / add_request: lower values go first, ties in
               queue order; and when the pool is short, the running sequence with the LOWEST
               priority (largest value) is preempted, the newest of them among equals.
-              Running sequences also get the step's budget in priority order (ties oldest
-              first, `running_order`), so the victim is always at or after the sequence
-              being served: nobody already scheduled this step is preempted (vLLM instead
-              visits in arrival order and un-schedules such a victim).
+
+The running batch is kept in the order in which its sequences get the step's budget, and the
+preemption victim is always the LAST of it: fcfs and lpm append an admitted sequence (oldest
+first, so the newest is preempted); priority inserts it after every running sequence of equal
+or higher priority (`running_index`), so the most urgent are served first and the victim is
+the newest of the least urgent. The victim is therefore never one already served this step
+(vLLM instead visits in arrival order and un-schedules such a victim).
 
 The admission rule itself does not change: the scheduler admits in the policy's order while
 seats, budget and blocks allow, and the first sequence that does not fit stops admission for
@@ -38,6 +41,7 @@ LPM's two safeguards.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING
@@ -56,8 +60,9 @@ PrefixMatchLength = Callable[["Sequence"], int]
 class SchedulingPolicy:
     """First come, first served; the base of the other policies.
 
-    `order` never changes the queue; the scheduler admits in the returned order and then
-    reports the round with `on_admitted`, so that a policy with memory (lpm) can update it.
+    `order` never changes the queue; the scheduler admits in the returned order, puts each
+    admitted sequence at `running_index` in the running batch, and then reports the round
+    with `on_admitted`, so that a policy with memory (lpm) can update it.
     """
 
     name = "fcfs"
@@ -72,17 +77,10 @@ class SchedulingPolicy:
         """One admission round is over: `waiting` was the queue before it (head first) and
         `admitted` the sequences that left it."""
 
-    def running_order(self, running: SequenceOf[Sequence]) -> list[Sequence]:
-        """The order in which running sequences get the step's budget: oldest first. The
-        preemption victim must be the last of it (the scheduler relies on that)."""
-        return list(running)
-
-    def preemption_victim(self, running: SequenceOf[Sequence]) -> Sequence:
-        """The running sequence to preempt when the pool is short: the newest (running is
-        oldest first), which has the least computed work to lose."""
-        if not running:
-            raise ValueError("preemption_victim: no running sequence to preempt")
-        return running[-1]
+    def running_index(self, running: SequenceOf[Sequence], seq: Sequence) -> int:
+        """Where an admitted `seq` joins `running` (kept in budget order, the victim last):
+        at the end, the newest."""
+        return len(running)
 
 
 class LongestPrefixMatch(SchedulingPolicy):
@@ -140,16 +138,10 @@ class PriorityPolicy(SchedulingPolicy):
               prefix_match_length: PrefixMatchLength | None = None) -> list[Sequence]:
         return sorted(waiting, key=lambda seq: seq.priority)  # stable: ties keep queue order
 
-    def running_order(self, running: SequenceOf[Sequence]) -> list[Sequence]:
-        """Highest priority (lowest value) first, ties oldest first: the victim below is
-        the last of this order."""
-        return sorted(running, key=lambda seq: seq.priority)
-
-    def preemption_victim(self, running: SequenceOf[Sequence]) -> Sequence:
-        if not running:
-            raise ValueError("preemption_victim: no running sequence to preempt")
-        # max() keeps the first of equal keys; the position makes the newest the largest.
-        return max(enumerate(running), key=lambda item: (item[1].priority, item[0]))[1]
+    def running_index(self, running: SequenceOf[Sequence], seq: Sequence) -> int:
+        """After every running sequence of equal or higher priority (a lower or equal
+        value): `running` stays sorted by priority, ties oldest first."""
+        return bisect.bisect_right([s.priority for s in running], seq.priority)
 
 
 def make_policy(name: str, **kwargs) -> SchedulingPolicy:
