@@ -37,7 +37,6 @@ from __future__ import annotations
 import numpy as np
 
 
-
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """ceil(num_tokens / block_size): blocks a sequence of `num_tokens` tokens occupies."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:

@@ -11,12 +11,13 @@ next query tokens. `schedule()` does, in this order:
              1 for a decode, the next chunk of an unfinished prefill (chunked prefill),
              1 + k for a verify. Its KV slots come from `kv.allocate_slots`.
     PREEMPT  while allocate_slots(...) is None (the pool is short): a verify row first drops
-             its drafts; then the LAST running sequence is preempted: the newest ("priority":
-             the least urgent, newest among equals), never one already served this step. By recompute: its blocks are
-             freed and it goes back to the HEAD of the waiting queue with its tokens kept, to
-             be prefilled again. By swap (preemption_mode="swap", swapping.py): its KV goes
-             to the host pool and comes back on readmission. The newest has the least work
-             to lose and arrived last, so the oldest requests keep progressing.
+             its drafts; then the LAST running sequence is preempted: the newest
+             ("priority": the least urgent, newest among equals), never one already served
+             this step. By recompute: its blocks are freed and it goes back to the HEAD of
+             the waiting queue with its tokens kept, to be prefilled again. By swap
+             (preemption_mode="swap", swapping.py): its KV goes to the host pool and comes
+             back on readmission. The newest has the least work to lose and arrived last,
+             so the oldest requests keep progressing.
     ADMIT    waiting sequences in the policy's order (fcfs: the queue as it stands), while
              the seats (max_num_seqs), the token budget (max_num_batched_tokens) and the
              pool allow. The first that does not fit stops admission: nobody skips ahead
