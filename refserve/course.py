@@ -56,6 +56,7 @@ EXERCISES: dict[str, Grading] = {
     "copy_on_write": Grading(("cow",), ("tests/test_prefix_cache.py",)),
     "prefix_cache_lookup": Grading(("prefix_cache", "cow"), ("tests/test_prefix_cache.py",)),
     "paged_attention_gather": Grading(("paged_attention",), ("tests/test_paged_attention.py",)),
+    "runner_prepare": Grading(("prepare",), ("tests/test_model_runner.py",)),
     "scheduler_admit": Grading(("scheduler", "chunked_prefill", "preemption"),
                                ("tests/test_scheduler.py",)),
     "scheduler_preempt": Grading(("preemption", "scheduler"), ("tests/test_scheduler.py",)),

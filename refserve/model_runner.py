@@ -154,13 +154,15 @@ class ModelRunner:
             first_token[i] = lo
             table = s.block_ids
             block_tables[flat, :len(table)] = table  # one slice copy from an int32 array
+            # BEGIN EXERCISE runner_prepare: a row's query tokens, positions, slots, context_len
             input_ids[lo:hi] = query_tokens(s)
             positions[lo:hi] = np.arange(s.start, s.start + (hi - lo))
             # The row's own table, not the padded row: a position without a block raises
             # IndexError instead of turning PAD_BLOCK into a negative slot.
             slots[lo:hi] = compute_slots(block_tables[flat, :len(table)], positions[lo:hi],
                                          self.block_size)
-            context_lens[flat] = s.start + (hi - lo)
+            context_lens[flat] = s.start + (hi - lo)  # keys visible after the writes
+            # END EXERCISE
         # Logits rows in scheduler order: each row's last num_logits tokens.
         logits_indices = []
         for i, s in enumerate(rows):

@@ -72,6 +72,8 @@ MECHANISMS: dict[str, str] = {
                     "chain matches, never the block holding the last prompt token",
     "paged_attention": "attention over a block table equals dense causal attention over "
                        "the same tokens",
+    "prepare": "the runner flattens a step: decode rows first, each token's position and "
+               "slot from its block table, context lengths, logits rows in scheduler order",
     "scheduler": "admit / advance / retire: FCFS admission within max_num_seqs and the "
                  "token budget; every scheduled token has a slot",
     "chunked_prefill": "a long prefill is split across steps within the token budget "
@@ -129,6 +131,11 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_scheduler.py", r"chunked_prefill", ("scheduler", "chunked_prefill")),
     ("test_scheduler.py", r"preempt", ("scheduler", "preemption")),
     ("test_scheduler.py", None, ("scheduler",)),
+    ("test_model_runner.py", None, ("prepare",)),
+    ("test_swap.py", r"Scheduler|scheduler|recompute|victim|never_applied|knobs|computed",
+     ("scheduler", "preemption")),
+    ("test_swap.py", None, ("preemption",)),
+    ("test_tour.py", None, ("course",)),
     ("test_stop_rules.py", r"spec", ("scheduler", "spec_e2e")),
     ("test_stop_rules.py", None, ("scheduler",)),
     ("test_sampling.py", None, ("sampling",)),

@@ -24,7 +24,7 @@ def prompts(n, rng, lo=3, hi=40):
 
 def test_prefix_cache_computes_only_the_remainder(tiny_folder):
     llm = make_llm(tiny_folder)
-    engine = llm.engine
+    engine = llm.llm_engine
     rng = np.random.default_rng(0)
     prefix = rng.integers(3, VOCAB, size=12).tolist()          # 3 full blocks of 4
     tail = rng.integers(3, VOCAB, size=5).tolist()
@@ -55,7 +55,7 @@ def test_parallel_sampling_shares_prompt_blocks_and_matches_single_runs(tiny_fol
     prompt = np.random.default_rng(1).integers(3, VOCAB, size=10).tolist()  # 2.5 blocks
     params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True)
     computed, copies = [], []
-    runner = llm.engine.runner
+    runner = llm.llm_engine.runner
     original_prepare, original_copy = runner.prepare, runner.copy_blocks
 
     def spy_prepare(out):
@@ -78,7 +78,7 @@ def test_parallel_sampling_shares_prompt_blocks_and_matches_single_runs(tiny_fol
         alone = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0,
                                                       seed=123 + i, ignore_eos=True))[0]
         assert alone.outputs[0].token_ids == child.token_ids, f"child {i}"
-    kv = llm.engine.kv_cache_manager
+    kv = llm.llm_engine.kv_cache_manager
     kv.check_invariants()
     assert kv.num_held_blocks == 0
 
@@ -114,7 +114,7 @@ def test_bad_sampling_params(kwargs, match):
 
 def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
     llm = make_llm(tiny_folder, num_gpu_blocks_override=20, max_model_len=64)
-    engine = llm.engine
+    engine = llm.llm_engine
     good = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("ok-1", [5, 6, 7], good)
     cases = [
@@ -149,7 +149,7 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
 def test_abort_frees_blocks_at_once(tiny_folder, when):
     llm = make_llm(tiny_folder, num_gpu_blocks_override=12, max_num_batched_tokens=64,
                    max_model_len=48)
-    engine = llm.engine
+    engine = llm.llm_engine
     kv = engine.kv_cache_manager
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     engine.add_request("a", list(range(3, 15)), params)
@@ -180,7 +180,7 @@ def test_abort_frees_blocks_at_once(tiny_folder, when):
 
 def test_failing_step_names_requests_and_keeps_pool_consistent(tiny_folder):
     llm = make_llm(tiny_folder)
-    engine = llm.engine
+    engine = llm.llm_engine
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     engine.add_request("r1", [4, 5, 6, 7, 8], params)
     engine.add_request("r2", [9, 10, 11], params)
@@ -280,3 +280,84 @@ def test_gpu_pool_sized_from_total_memory(tiny_folder, monkeypatch):
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.2: .* in use already"):
         LLMEngine(model=str(tiny_folder), block_size=4, gpu_memory_utilization=0.2,
                   progress=False)
+
+
+# ---- failed steps, the KV peak, sequence ids --------------------------------------------
+
+
+def run_to_end(engine):
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+def test_failed_step_then_abort_recovers(tiny_folder):
+    # Step 2 has copy-on-write copies for both forked requests and fails in the forward;
+    # aborting one request frees its private copy. The engine must then keep serving.
+    llm = make_llm(tiny_folder, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    params = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7, 8, 9, 10], params)
+    engine.add_request("b", [11, 12, 13, 14, 15, 16], params)
+    engine.step()  # prefill both, fork the children
+    original = engine.runner.forward
+    engine.runner.forward = lambda inputs: (_ for _ in ()).throw(RuntimeError("injected"))
+    with pytest.raises(EngineStepError, match="injected"):
+        engine.step()
+    engine.runner.forward = original
+    engine.abort_request("a")
+    engine.kv_cache_manager.check_invariants()
+    done = run_to_end(engine)
+    kv = engine.kv_cache_manager
+    assert kv.num_held_blocks == 0
+    fresh = make_llm(tiny_folder, enable_prefix_caching=False).generate(
+        [[11, 12, 13, 14, 15, 16]], params)[0]
+    assert [c.token_ids for c in done["b"].outputs] == [c.token_ids for c in fresh.outputs]
+
+
+def test_sampling_failure_leaves_no_children_and_retry_is_reproducible(tiny_folder):
+    params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=11, ignore_eos=True)
+    expected = make_llm(tiny_folder).generate([[5, 6, 7, 8]], params)[0]
+    llm = make_llm(tiny_folder)
+    engine = llm.llm_engine
+    engine.add_request("r", [5, 6, 7, 8], params)
+    original = engine.sampler.sample
+    calls = []
+
+    def fail_on_second_call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the parent drew its token; the first child's draw fails
+            raise RuntimeError("injected sampling failure")
+        return original(*args, **kwargs)
+
+    engine.sampler.sample = fail_on_second_call
+    with pytest.raises(EngineStepError, match="injected sampling failure"):
+        engine.step()
+    engine.sampler.sample = original
+    req = engine.requests["r"]
+    assert len(req.seqs) == 1 and engine.scheduler.num_running == 1
+    done = run_to_end(engine)
+    assert [c.token_ids for c in done["r"].outputs] == \
+        [c.token_ids for c in expected.outputs]
+
+
+def test_kv_peak_is_measured_before_retiring(tiny_folder):
+    llm = make_llm(tiny_folder)
+    llm.generate([[5, 6, 7, 8, 9]] * 1 + [[10 + i, 11] for i in range(7)],
+                 SamplingParams(max_tokens=1, temperature=0.0))
+    # 1 request of 5 (+1) tokens -> 2 blocks of 4, 7 of 2 (+1) -> 1 block each, same step.
+    assert llm.last_summary.kv_blocks_peak == 2 + 7
+
+
+def test_sequence_ids_are_per_engine(tiny_folder):
+    ids = []
+    for _ in range(2):
+        engine = make_llm(tiny_folder).llm_engine
+        engine.add_request("x", [5, 6, 7], SamplingParams(n=2, max_tokens=3, seed=1))
+        engine.add_request("y", [8, 9], SamplingParams(max_tokens=3))
+        engine.step()
+        ids.append(sorted(s.seq_id for r in engine.requests.values() for s in r.seqs))
+    assert ids[0] == ids[1] == [0, 1, 2]

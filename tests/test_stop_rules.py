@@ -8,6 +8,7 @@ up (output tokens = target passes + accepted drafts)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from model_utils import LetterTokenizer
 
@@ -264,3 +265,38 @@ def test_no_drafts_are_proposed_before_min_tokens(tiny, plain_tokens):
     proposer = llm.llm_engine.speculator.proposer
     assert proposer.asked and min(proposer.asked) >= 6
     assert out.outputs[0].token_ids == plain_tokens[:30]
+
+
+# ---- the text the stop strings read ----------------------------------------------------
+
+
+def test_stop_string_completed_by_the_last_token(tiny_folder):
+    llm = LLM(model=str(tiny_folder), progress=False, block_size=4,
+              num_gpu_blocks_override=256)
+    llm.llm_engine.tokenizer = LetterTokenizer()
+    for seed in range(50):  # a seeded run whose last two letters occur only at the end
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)
+        base = llm.generate([[5, 6, 7]], params)[0].outputs[0]
+        stop = base.text[-2:]  # completed by the 6th (last allowed) token
+        if base.text.find(stop) == 4:
+            break
+    assert base.finish_reason == "length" and base.text.find(stop) == 4
+    params.stop = [stop]
+    out = llm.generate([[5, 6, 7]], params)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base.text[:4]
+
+
+@pytest.mark.slow
+def test_incremental_detokenization_equals_a_full_decode(hf_tokenizer):
+    text = ("Paris est la capitale 🇫🇷 de la France. 東京は日本の首都です。 "
+            "def f(x):\n    return x ** 2  # naïve café — ok?")
+    ids = hf_tokenizer.encode(text, add_special_tokens=False) + [hf_tokenizer.eos_token_id]
+    rng = np.random.default_rng(0)
+    detok = IncrementalDetokenizer(hf_tokenizer)
+    end = 0
+    while end < len(ids):  # grow by 1..3 tokens, as plain and speculative steps do
+        end = min(len(ids), end + int(rng.integers(1, 4)))
+        detok.update(ids[:end])
+        assert hf_tokenizer.decode(ids[:end], skip_special_tokens=True).startswith(detok.text)
+    assert detok.text == hf_tokenizer.decode(ids, skip_special_tokens=True)
