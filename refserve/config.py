@@ -191,8 +191,3 @@ class EngineConfig:
             # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}), checked
             # and turned into a SpeculativeConfig (refserve/speculative_config.py).
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-            if (self.preemption_mode == "swap"
-                    and self.speculative_config.method == "draft_model"):
-                raise ValueError("preemption_mode='swap' with a draft model: the draft's own "
-                                 "KV cache is not swapped; use preemption_mode='recompute' "
-                                 "or the ngram method")

@@ -52,8 +52,7 @@ from refserve.scheduler.drafts import Proposals, verify_inputs
 from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
-from refserve.speculation.draft_model import DraftModelProposer, load_draft_model
-from refserve.speculation.proposer import NgramProposer
+from refserve.speculation.registry import resolve as resolve_proposer
 from refserve.speculation.speculator import Speculator
 from refserve.speculation.verify import verify
 from refserve.static_runner import StaticBatchRunner
@@ -76,6 +75,11 @@ class LLMEngine(RequestIntake):
 
         self.config = config = config or EngineConfig(**kwargs)
         self.progress = progress
+        # Speculative decoding's proposer and its options, checked before anything loads.
+        proposer_cls, spec = None, config.speculative_config
+        if spec is not None:
+            proposer_cls, spec = resolve_proposer(spec, config)
+        self.speculative_config = spec
         self.model_path = resolve_model_path(config.model, progress)
         self.backend = get_backend(config.backend)
         # None means the backend's default token budget (config.py), resolved once, here.
@@ -93,13 +97,9 @@ class LLMEngine(RequestIntake):
                              f"max_position_embeddings={mc.max_position_embeddings}")
         self.eos_token_id = mc.eos_token_id
 
-        # --- speculative decoding: the draft model (if any) shares the KV memory below.
-        spec = self.speculative_config = config.speculative_config
-        draft_model, draft_cost = None, 0.0
-        if spec is not None and spec.method == "draft_model":
-            draft_model, draft_cost = load_draft_model(
-                spec, self.model, self.backend, self.dtype, self.tokenizer, load_tokenizer,
-                self.max_model_len)
+        # --- speculative decoding: a draft model (if any) shares the KV memory below.
+        loaded = draft_model, draft_cost = (None, 0.0) if spec is None else proposer_cls.load(
+            spec, self.model, self.backend, self.dtype, self.tokenizer, self.max_model_len)
 
         # --- the KV pool: the blocks, not the weights, decide how many sequences fit.
         plan = self.kv_pool_plan = plan_kv_pool(
@@ -125,10 +125,8 @@ class LLMEngine(RequestIntake):
         # Speculative decoding: the propose stage (None: every row samples one token).
         self.speculator = None
         if spec is not None:
-            proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-                        if spec.method == "ngram" else
-                        DraftModelProposer(draft_model, self.backend, num_blocks,
-                                           self.block_size, draft_cost))
+            proposer = proposer_cls.create(spec, loaded, self.backend, num_blocks,
+                                           self.block_size)
             adaptive = AdaptiveSpeculation(spec.k, draft_cost, enabled=spec.adaptive)
             adaptive.calibrate(self.model, config.max_num_batched_tokens)  # verify cost
             self.speculator = Speculator(proposer, adaptive, self.max_model_len)
@@ -142,7 +140,8 @@ class LLMEngine(RequestIntake):
         if progress:
             for line in startup_lines(config, self.backend.name, self.model_path.name,
                                       mc.num_parameters(), self.max_model_len, plan,
-                                      budget_source):
+                                      budget_source,
+                                      proposer_cls.describe(spec) if spec else ""):
                 print(line, file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests

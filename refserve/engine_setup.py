@@ -110,10 +110,10 @@ def plan_kv_pool(config: EngineConfig, model_config, backend, dtype, max_model_l
 
 def startup_lines(config: EngineConfig, backend_name: str, model_name: str,
                   num_parameters: int, max_model_len: int, plan: KVPoolPlan,
-                  budget_source: str) -> list[str]:
+                  budget_source: str, speculation: str = "") -> list[str]:
     """What the engine prints to stderr at start-up (progress=True): backend, model, the
     pool and the knob that sized it, the token budget and where it came from, and the
-    speculative setup."""
+    speculative setup (`speculation`: how its proposer describes itself)."""
     tokens = plan.num_blocks * plan.block_size
     cap = (f", a prefill at most {config.long_prefill_token_threshold}"
            if config.long_prefill_token_threshold else "")
@@ -131,8 +131,6 @@ def startup_lines(config: EngineConfig, backend_name: str, model_name: str,
             draft = (f"; KV memory split by bytes per token: target {plan.bytes_per_token} B,"
                      f" draft {plan.draft_bytes_per_token} B -> draft cache "
                      f"{plan.num_blocks * plan.draft_bytes_per_block / GiB:.2f} GiB")
-        method = (f"draft_model self ({spec.num_draft_layers} layers)"
-                  if spec.is_self_draft else spec.method)
-        lines.append(f"refserve: speculative decoding {method}, k = {spec.k}, adaptive "
+        lines.append(f"refserve: speculative decoding {speculation}, k = {spec.k}, adaptive "
                      f"{'on' if spec.adaptive else 'off'}{draft}")
     return lines

@@ -13,6 +13,7 @@ from refserve.config import EngineConfig
 from refserve.engine import EngineStepError, LLMEngine
 from refserve.scheduler import Proposal
 from refserve.speculation.proposer import Proposer
+from refserve.speculation.registry import resolve as resolve_proposer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8],
@@ -85,9 +86,48 @@ class OracleProposer(WrongProposer):
     ("ngram", "must be a dict"),
 ])
 def test_bad_speculative_config_is_a_clear_error(spec, message):
+    """The keys every method shares are checked by EngineConfig, the method and its options
+    by the registry, as an engine or a simulation starts (before anything loads)."""
     with pytest.raises(ValueError, match="speculative_config") as e:
-        EngineConfig(speculative_config=spec)
+        config = EngineConfig(speculative_config=spec)
+        resolve_proposer(config.speculative_config, config)
     assert message in str(e.value)
+
+
+def test_a_new_proposer_is_one_class_and_one_registry_entry(tiny, monkeypatch):
+    """The engine and the simulator name no method: a proposer registered under a new name
+    (here a repeat-the-last-token proposer with one option) serves both."""
+    from refserve.simulator import SimulatedEngine, load_gpu, load_model
+    from refserve.speculation import registry
+
+    class RepeatLast(Proposer):
+        method = "repeat_last"
+        options = {"times": 1}
+
+        @classmethod
+        def create(cls, spec, loaded, backend, num_blocks, block_size):
+            proposer = cls()
+            proposer.times = spec.options["times"]
+            return proposer
+
+        def propose(self, seqs, num_drafts):
+            return [Proposal([seq.token_ids[-1]] * min(n, self.times)) for seq, n in
+                    zip(seqs, num_drafts)]
+
+    monkeypatch.setitem(registry.PROPOSERS, "repeat_last", RepeatLast)
+    spec = {"method": "repeat_last", "num_speculative_tokens": 3, "times": 2,
+            "adaptive": False}
+    plain = make_llm(tiny, None).generate([[5, 6, 7]], SamplingParams(max_tokens=8,
+                                                                       temperature=0.0))
+    llm = make_llm(tiny, spec)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0))
+    assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert out[0].metrics.num_spec_proposed > 0  # it really proposed
+    sim = SimulatedEngine(load_model("llama-3-8b"), load_gpu("h100-80gb"),
+                          EngineConfig(speculative_config=spec))
+    assert "repeat_last" in sim.describe()
+    with pytest.raises(ValueError, match="speculative_config: unknown key 'k'"):
+        resolve_proposer(EngineConfig(speculative_config={**spec, "k": 1}).speculative_config)
 
 
 def test_draft_model_errors_name_the_problem(tiny, tmp_path):

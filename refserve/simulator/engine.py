@@ -47,6 +47,7 @@ from refserve.simulator.cost_model import CostModel
 from refserve.simulator.hardware import GpuProfile, ModelShape
 from refserve.simulator.outputs import SimulatedSpeculation, SyntheticOutputs, draft_model_shape
 from refserve.simulator.workload import SimRequest
+from refserve.speculation.registry import resolve as resolve_proposer
 
 
 def resolve_dtype(dtype: str, gpu: GpuProfile, model: ModelShape) -> str:
@@ -148,6 +149,11 @@ class SimulatedEngine:
         spec = config.speculative_config
         if spec is not None and outputs is not None:
             raise ValueError("give outputs= or a speculative_config, not both")
+        runs_a_model = False
+        if spec is not None:  # its proposer and options, checked before anything else
+            proposer_cls, spec = resolve_proposer(spec, config)
+            self.config = config = dataclasses.replace(config, speculative_config=spec)
+            runs_a_model = proposer_cls.runs_a_model
         if config.preemption_mode == "swap":
             raise ValueError("preemption_mode='swap': the simulator prices no host <-> "
                              "device copies, so it runs recompute preemption only; "
@@ -163,11 +169,10 @@ class SimulatedEngine:
         self.max_model_len = config.max_model_len or model.max_position_embeddings
         contiguous = config.kv_cache_layout == "contiguous"
         self.block_size = self.max_model_len if contiguous else config.block_size
-        draft = (draft_model_shape(spec, model)
-                 if spec is not None and spec.method == "draft_model" else None)
+        draft = draft_model_shape(spec, model) if runs_a_model else None
         self.num_blocks, self.pool_sized_by = size_kv_pool(
             model, gpu, config, self.dtype, tensor_parallel_size, self.max_model_len,
-            self.block_size, draft, draft is not None and not spec.is_self_draft)
+            self.block_size, draft, draft is not None and spec.options["model"] != "self")
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, self.block_size,
             enable_prefix_caching=config.enable_prefix_caching and not contiguous,
@@ -197,7 +202,8 @@ class SimulatedEngine:
         spec = self.config.speculative_config
         if spec is None:
             return ""
-        draft = (f" {self.outputs.draft_model.name}" if spec.method == "draft_model" else "")
+        draft = (f" {self.outputs.draft_model.name}"
+                 if getattr(self.outputs, "draft_cost", None) is not None else "")
         return (f" | speculative decoding {spec.method}{draft}, k = {spec.k}, adaptive "
                 f"{'on' if spec.adaptive else 'off'}, acceptance alpha "
                 f"{self.outputs.alpha:g} unless a request sets its own")

@@ -47,6 +47,7 @@ from refserve.scheduler.drafts import Proposal, Proposals
 from refserve.simulator.cost_model import CostModel, StepComposition
 from refserve.spec_decode.adaptive import CALIBRATION_ROWS, AdaptiveSpeculation, PassCost
 from refserve.speculation.proposer import Proposer
+from refserve.speculation.registry import resolve as resolve_proposer
 from refserve.speculation.speculator import Speculator
 
 PASS_COST_CONTEXT = 512  # context length of the decode rows the adaptive rule's pass is priced at
@@ -64,11 +65,13 @@ def accepted_drafts(rng: np.random.Generator, alpha: float, num_drafts: int) -> 
 
 
 def draft_model_shape(spec, target):
-    """The draft's ModelShape: the target's first num_draft_layers layers ("self"), else the
-    preset / config.json `spec.model`. Raises ValueError if it cannot be loaded or its
+    """The draft's ModelShape for a proposer that runs a model (registry: runs_a_model): the
+    target's first num_draft_layers layers (model "self", whose weights are the target's),
+    else the preset / config.json `model`. Raises ValueError if it cannot be loaded or its
     vocabulary differs from the target's."""
-    if spec.is_self_draft:
-        d = spec.num_draft_layers
+    model = spec.options["model"]
+    if model == "self":
+        d = spec.options["num_draft_layers"]
         if d > target.num_layers:
             raise ValueError(f"speculative_config.num_draft_layers={d}: the target has only "
                              f"{target.num_layers} layers")
@@ -79,9 +82,9 @@ def draft_model_shape(spec, target):
             total_params=target.total_params - target.layer_params + layer_params)
     from refserve.simulator.hardware import load_model
 
-    draft = load_model(spec.model)
+    draft = load_model(model)
     if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative_config.model {spec.model!r}: vocabulary "
+        raise ValueError(f"speculative_config.model {model!r}: vocabulary "
                          f"{draft.vocab_size} differs from the target's {target.vocab_size}")
     return draft
 
@@ -131,7 +134,7 @@ class SimulatedSpeculation(SyntheticOutputs):
         self.cost_model = cost_model
         self.draft_cost = None
         draft_cost_per_token = 0.0
-        if spec.method == "draft_model":
+        if resolve_proposer(spec)[0].runs_a_model:
             self.draft_model = draft_model_shape(spec, cost_model.model)
             self.draft_cost = CostModel(self.draft_model, cost_model.gpu, cost_model.dtype,
                                         cost_model.tp, cost_model.eff)

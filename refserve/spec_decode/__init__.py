@@ -23,12 +23,12 @@ This package is the MATH, NumPy only, below the backends (a backend's rejection_
 is rejection_sampler.py's contract):
     rejection_sampler.py   the accept / residual-resample step (a backend op)
     warping.py             temperature, top-k, top-p applied to both p and q before the test
-    ngram_proposer.py      prompt lookup: drafts copied from earlier in the context
     adaptive.py            how many drafts to propose per request (k adapts; 0 = stop)
     metrics.py             proposed / accepted counts, acceptance rate, tokens per target pass
 
 The engine's use of it (orchestration, above the model runner) is refserve/speculation/:
-the proposers (n-gram, draft model), the propose stage and the verify step. A draft token's
+the proposers (n-gram prompt lookup, draft model; registry.py lists them), the propose stage
+and the verify step. A draft token's
 whole life, from proposal to rollback, is refserve/scheduler/drafts.py, and vLLM's
 `speculative_config` dict is refserve/speculative_config.py. One engine step with
 speculation is

@@ -2,7 +2,10 @@
 
     speculator.py   the propose stage: who gets drafts and how many; the adaptive rule
                     learns from every verify step
-    proposer.py     the proposer interface and the n-gram proposer
+    proposer.py     the proposer interface (what a new proposer provides)
+    registry.py     every proposer by speculative_config method: the engine and the
+                    simulator ask it
+    ngram.py        prompt lookup: drafts copied from earlier in the context
     draft_model.py  the draft-model proposer: a smaller model, or the target's first N
                     layers ("self"), with its own paged KV cache
     verify.py       the verify step: warp p, draw uniforms in a documented order from the

@@ -73,29 +73,29 @@ def load_draft_model(spec, target, backend, dtype, target_tokenizer=None,
     the target: same vocabulary size, and the same token -> id map when both folders have a
     tokenizer (`load_tokenizer(folder)` reads one, or returns None). Returns (model,
     draft_cost_per_token)."""
-    if spec.is_self_draft:
-        draft = truncated_model(target, spec.num_draft_layers)
-        return draft, spec.num_draft_layers / target.config.num_hidden_layers
+    model, layers = spec.options["model"], spec.options["num_draft_layers"]
+    if model == "self":
+        return truncated_model(target, layers), layers / target.config.num_hidden_layers
     from refserve.models.loader import load_model
 
-    folder = Path(spec.model).expanduser()
+    folder = Path(model).expanduser()
     if not folder.is_dir():
-        raise ValueError(f"speculative_config.model={spec.model!r}: no such folder; give an "
+        raise ValueError(f"speculative_config.model={model!r}: no such folder; give an "
                          "HF-format model folder or \"self\"")
     draft = load_model(folder, backend, dtype)
     tv, dv = target.config.vocab_size, draft.config.vocab_size
     if tv != dv:
-        raise ValueError(f"speculative_config.model={spec.model!r}: the draft's vocabulary "
+        raise ValueError(f"speculative_config.model={model!r}: the draft's vocabulary "
                          f"has {dv} tokens, the target's {tv}; a draft must share the "
                          "target's vocabulary (same tokenizer)")
     draft_tokenizer = load_tokenizer(folder) if load_tokenizer is not None else None
     if (target_tokenizer is not None and draft_tokenizer is not None
             and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab()):
-        raise ValueError(f"speculative_config.model={spec.model!r}: the draft's tokenizer "
+        raise ValueError(f"speculative_config.model={model!r}: the draft's tokenizer "
                          "maps tokens to other ids than the target's; a draft must share "
                          "the target's vocabulary (same tokenizer)")
     if max_model_len is not None and draft.config.max_position_embeddings < max_model_len:
-        raise ValueError(f"speculative_config.model={spec.model!r}: the draft handles "
+        raise ValueError(f"speculative_config.model={model!r}: the draft handles "
                          f"{draft.config.max_position_embeddings} positions, fewer than "
                          f"max_model_len={max_model_len}; lower max_model_len")
     cost = draft.config.num_parameters() / max(target.config.num_parameters(), 1)
@@ -106,6 +106,51 @@ class DraftModelProposer(Proposer):
     """Drafts from a model run with its own paged KV cache (see the module docstring)."""
 
     method = "draft_model"
+    options = {"model": None, "num_draft_layers": None}
+    runs_a_model = True
+
+    @classmethod
+    def check_options(cls, options: dict, config=None) -> dict:
+        """model (an HF folder with the target's vocabulary, or "self"), and with "self"
+        num_draft_layers (the target's first N layers). Its KV cache is not swapped, so
+        preemption_mode="swap" is refused."""
+        model, layers = options["model"], options["num_draft_layers"]
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config.model is required for method "
+                             "'draft_model': an HF folder with the target's vocabulary, or "
+                             "\"self\" for the target's first num_draft_layers layers")
+        if model != "self" and layers is not None:
+            raise ValueError("speculative_config.num_draft_layers applies only to method "
+                             "'draft_model' with model \"self\"")
+        if model == "self" and (not isinstance(layers, int) or isinstance(layers, bool)
+                                or layers < 1):
+            raise ValueError(f"speculative_config.num_draft_layers={layers!r}: model "
+                             "\"self\" needs an integer >= 1 (the draft runs the target's "
+                             "first N layers)")
+        if config is not None and config.preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' with a draft model: the draft's own KV "
+                             "cache is not swapped; use preemption_mode='recompute' or the "
+                             "ngram method")
+        return {"model": model, "num_draft_layers": layers}
+
+    @classmethod
+    def load(cls, spec, target, backend, dtype, tokenizer, max_model_len: int):
+        from refserve.models.loader import load_tokenizer
+
+        return load_draft_model(spec, target, backend, dtype, tokenizer, load_tokenizer,
+                                max_model_len)
+
+    @classmethod
+    def create(cls, spec, loaded, backend, num_blocks: int, block_size: int
+               ) -> DraftModelProposer:
+        model, cost = loaded
+        return cls(model, backend, num_blocks, block_size, cost)
+
+    @classmethod
+    def describe(cls, spec) -> str:
+        o = spec.options
+        return (f"draft_model self ({o['num_draft_layers']} layers)" if o["model"] == "self"
+                else f"draft_model {o['model']}")
 
     def __init__(self, model, backend, num_blocks: int, block_size: int,
                  draft_cost_per_token: float) -> None:
