@@ -1,6 +1,6 @@
 """`LLM`: vLLM's offline API. Code written for `vllm.LLM` runs with only the import changed:
 
-    from refserve import LLM, SamplingParams       # was: from vllm import LLM, SamplingParams
+    from refserve import LLM, SamplingParams       # vLLM: from vllm import LLM, SamplingParams
     llm = LLM(model="path/to/hf-folder", seed=0)   # model=None: the embedded SmolLM2 (refserve's)
     outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, top_p=0.95))
     outs[0].outputs[0].text

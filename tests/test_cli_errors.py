@@ -1,5 +1,5 @@
 """Every mistake a user can make on `python -m refserve.generate` ends in one `error: ...`
-line and exit status 2, never a Python traceback (issue 12, part 3); Ctrl-C prints what
+line and exit status 2, never a Python traceback; Ctrl-C prints what
 finished and the summary, exit 130. Each case runs the real command in a subprocess on a
 tiny random model, so what is checked is exactly what a user sees."""
 

@@ -1,5 +1,5 @@
-"""The command lines' shared conventions (issue 20 §3, issue 15's one engine-args builder,
-issue 16's --tensor-parallel-size): each checked as a user meets it, in a subprocess.
+"""The command lines' shared conventions (one engine-args builder, --tensor-parallel-size
+as vLLM spells it): each checked as a user meets it, in a subprocess.
 
 - no abbreviations in any parser of the project (`--max-token 5` is not `--max-tokens`);
 - outputs (--json, --plot) checked before the long work, in every entry point;

@@ -132,7 +132,7 @@ def test_impl_option_refuses_a_folder_without_refserve(tmp_path):
 
 
 def test_grading_a_student_copy_as_the_readme_writes_it(tmp_path):
-    """`pytest --impl DIR -m "not slow" --grade` with a space (issue 20 §2): the run grades
+    """`pytest --impl DIR -m "not slow" --grade` with a space: the run grades
     DIR from this checkout's root, and an untouched copy's rows say "not done yet"."""
     dest = tmp_path / "student"
     course.make_student(dest)

@@ -1,4 +1,4 @@
-"""Every third-party module the project imports is declared in pyproject.toml (issue 20 §1).
+"""Every third-party module the project imports is declared in pyproject.toml.
 
 A package installed by hand on one machine must never hide a missing dependency: CI
 installs exactly `pip install -e ".[dev]"` into a fresh virtual environment, so whatever

@@ -127,7 +127,7 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
     for prompt, match in cases:
         with pytest.raises(ValueError, match=match):
             engine.add_request(None, prompt, good)
-    # A pool too small for one max_model_len sequence is refused at start-up (issue 7 bug 3).
+    # A pool too small for one max_model_len sequence is refused at start-up.
     with pytest.raises(ValueError, match="lower max_model_len to at most 16"):
         make_llm(tiny_folder, num_gpu_blocks_override=4, max_model_len=64)
     with pytest.raises(ValueError, match=r"SamplingParams\.n=9 is more than max_num_seqs"):

@@ -1,8 +1,8 @@
-"""KV pool sizing at start-up (issue 7, bug 3) and EngineConfig.dtype.
+"""KV pool sizing at start-up and EngineConfig.dtype.
 
 The engine sizes its pool with refserve/capacity.py and refuses, at construction, a pool that
-cannot hold one max_model_len sequence (before the fix such a pool was accepted and the first
-long request failed mid-run).
+cannot hold one max_model_len sequence (accepted, such a pool would fail the first long
+request mid-run).
 """
 
 import numpy as np
@@ -25,7 +25,7 @@ def engine(folder, **kw):
 def test_pool_smaller_than_one_max_model_len_sequence_is_refused(tiny_folder):
     # 10 blocks of 4 = 40 tokens; max_model_len 64 needs 16 blocks.
     with pytest.raises(ValueError) as err:
-        engine(tiny_folder, block_size=4, num_gpu_blocks=10, max_model_len=64)
+        engine(tiny_folder, block_size=4, num_gpu_blocks_override=10, max_model_len=64)
     msg = str(err.value)
     for part in ("10 blocks = 40 tokens", "max_model_len=64", "needs 16 blocks",
                  "num_gpu_blocks_override=10", "more memory", "num_gpu_blocks_override >= 16",
@@ -37,11 +37,11 @@ def test_pool_sized_from_kv_cache_memory_is_refused_with_the_knob_named(tiny_fol
     # 20 blocks' worth of memory, but the model's default max_model_len (128) needs 32.
     memory = 20 * 4 * KV_BYTES_PER_TOKEN_F32
     with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={memory}.*max_model_len=128"):
-        engine(tiny_folder, block_size=4, kv_cache_memory=memory)
+        engine(tiny_folder, block_size=4, kv_cache_memory_bytes=memory)
 
 
 def test_pool_of_exactly_one_sequence_is_accepted_and_serves_it(tiny_folder):
-    llm = LLM(model=str(tiny_folder), progress=False, block_size=4, num_gpu_blocks=16,
+    llm = LLM(model=str(tiny_folder), progress=False, block_size=4, num_gpu_blocks_override=16,
               max_model_len=64)
     assert llm.engine.num_blocks == 16
     params = SamplingParams(max_tokens=64 - 40, temperature=0.0, ignore_eos=True)
@@ -52,10 +52,10 @@ def test_pool_of_exactly_one_sequence_is_accepted_and_serves_it(tiny_folder):
 def test_engine_sizing_uses_the_capacity_math(tiny_folder, monkeypatch):
     """The pool is num_blocks_for_memory(...) of the capacity module, called, not re-derived:
     replacing the function changes the pool."""
-    e = engine(tiny_folder, block_size=4, kv_cache_memory=1 << 20)
+    e = engine(tiny_folder, block_size=4, kv_cache_memory_bytes=1 << 20)
     assert e.num_blocks == min((1 << 20) // (4 * KV_BYTES_PER_TOKEN_F32), 256 * 32)
     monkeypatch.setattr(capacity, "num_blocks_for_memory", lambda *a, **k: 77)
-    assert engine(tiny_folder, block_size=4, kv_cache_memory=1 << 20).num_blocks == 77
+    assert engine(tiny_folder, block_size=4, kv_cache_memory_bytes=1 << 20).num_blocks == 77
 
 
 # ------------------------------------------------------------------------------- dtype
@@ -71,9 +71,9 @@ def test_dtype_names_are_validated():
 def test_numpy_backend_accepts_only_float32(tiny_folder, dtype):
     with pytest.raises(ValueError, match="numpy backend computes in float32; use "
                                          "dtype='float32' or the cupy backend"):
-        engine(tiny_folder, dtype=dtype, num_gpu_blocks=64)
+        engine(tiny_folder, dtype=dtype, num_gpu_blocks_override=64)
     for ok in ("auto", "float32"):
-        assert engine(tiny_folder, dtype=ok, num_gpu_blocks=64).runner.kv_caches[0][0].dtype \
+        assert engine(tiny_folder, dtype=ok, num_gpu_blocks_override=64).runner.kv_caches[0][0].dtype \
             == np.float32
 
 
@@ -88,7 +88,7 @@ def test_dtype_sizes_the_pool_and_the_cache_and_only_logits_are_upcast(tiny_fold
 
     monkeypatch.setattr(engine_module, "get_backend", lambda name: HalfBackend())
     memory = 1 << 18
-    half = engine(tiny_folder, block_size=4, kv_cache_memory=memory, dtype="float16")
+    half = engine(tiny_folder, block_size=4, kv_cache_memory_bytes=memory, dtype="float16")
     assert half.num_blocks == memory // (4 * KV_BYTES_PER_TOKEN_F32 // 2)
     assert half.runner.kv_caches[0][0].dtype == np.float16
     assert half.model.layers[0].w_qkv.dtype == np.float16
@@ -96,3 +96,11 @@ def test_dtype_sizes_the_pool_and_the_cache_and_only_logits_are_upcast(tiny_fold
     out = half.scheduler.schedule()
     logits = half.runner.forward(half.runner.prepare(out))
     assert logits.dtype == np.float32 and logits.shape == (1, 97)
+
+
+def test_the_old_knob_names_still_work_and_warn():
+    """num_gpu_blocks and kv_cache_memory are the old spellings of vLLM's names."""
+    with pytest.warns(FutureWarning, match="num_gpu_blocks is deprecated"):
+        assert EngineConfig(num_gpu_blocks=12).num_gpu_blocks_override == 12
+    with pytest.warns(FutureWarning, match="kv_cache_memory is deprecated"):
+        assert EngineConfig(kv_cache_memory=1 << 20).kv_cache_memory_bytes == 1 << 20

@@ -26,7 +26,7 @@ def test_engine_greedy_equals_transformers_with_chunking_and_preemption(
     n_new = 24
     # 36 blocks x 16 = 576 slots for ~1000 tokens of demand; 48-token steps chunk every
     # prompt longer than that.
-    llm = LLM(model=str(smollm2_dir), progress=False, num_gpu_blocks=36,
+    llm = LLM(model=str(smollm2_dir), progress=False, num_gpu_blocks_override=36,
               max_num_batched_tokens=48, max_num_seqs=8, max_model_len=576)
     kinds = []
     schedule = llm.engine.scheduler.schedule

@@ -1,4 +1,4 @@
-"""One owner per lifecycle, checked on the source (issue 15): a sequence finishes in one
+"""One owner per lifecycle, checked on the source: a sequence finishes in one
 place (`Scheduler.update` retires it, `abort` is the user's way out), output processing
 only reports, and draft tokens never live on a Sequence."""
 

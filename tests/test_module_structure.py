@@ -1,4 +1,4 @@
-"""The package's import structure (issue 7, part 3): no import circles, and no core module
+"""The package's import structure: no import circles, and no core module
 imports a command-line module. Checked on the source with `ast`, so a circle shows up here
 even where Python tolerates it at run time (e.g. one side importing lazily in a function)."""
 

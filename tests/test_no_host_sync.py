@@ -1,4 +1,4 @@
-"""No layer reads a device array back to the host (issue 7, part 2).
+"""No layer reads a device array back to the host.
 
 On a GPU, `int(a)`, `bool(a)` (an `if` or an `assert` on an array), `a.item()`, `a.tolist()`,
 iterating `a`, indexing a scalar out of it, or `np.asarray(a)` each copy from the device and

@@ -1,4 +1,4 @@
-"""The OpenAI fields the server used to refuse or drop: logprobs (completions and chat,
+"""The OpenAI fields beyond the basics: logprobs (completions and chat,
 streamed too) equal `LLM.generate`'s, echo, stop_reason, the prefix-cache hit in
 usage.prompt_tokens_details.cached_tokens, and stream_options as vLLM defaults them. Also
 the command line's `serve MODEL` and the backend-dependent token budget."""
