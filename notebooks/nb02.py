@@ -38,7 +38,7 @@ from refserve import LLM, SamplingParams
 POOL = dict(num_gpu_blocks_override=10, block_size=4, max_model_len=40,   # 10 blocks x 4 = 40 slots
             max_num_seqs=3, max_num_batched_tokens=16)           # 3 seats, 16 tokens a step
 llm = LLM(**POOL, progress=False)
-engine = llm.engine
+engine = llm.llm_engine
 scheduler, runner, kv = engine.scheduler, engine.runner, engine.kv_cache_manager
 print(f"{kv.num_blocks} blocks of {kv.block_size} tokens, {scheduler.max_num_seqs} seats, "
       f"token budget {scheduler.max_num_batched_tokens}")
@@ -286,8 +286,8 @@ def slot_steps(engine, workload):
     return np.array(rows), texts_out
 
 
-continuous, texts_continuous = slot_steps(LLM(**POOL, progress=False).engine, texts)
-static, texts_static = slot_steps(LLM(**POOL, batching="static", progress=False).engine, texts)
+continuous, texts_continuous = slot_steps(LLM(**POOL, progress=False).llm_engine, texts)
+static, texts_static = slot_steps(LLM(**POOL, batching="static", progress=False).llm_engine, texts)
 print("same text under both schedulers:", texts_continuous == texts_static)
 
 fig, axes = plt.subplots(1, 2, figsize=(12, 3), sharey=True)

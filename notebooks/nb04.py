@@ -105,7 +105,7 @@ print(f"blocks per request at its peak: {peak} -> {sum(peak)} together, pool {PO
 def replay(max_num_seqs):
     llm = LLM(num_gpu_blocks_override=POOL_BLOCKS, block_size=BLOCK, max_model_len=128,
               max_num_seqs=max_num_seqs, progress=False)
-    engine = llm.engine
+    engine = llm.llm_engine
     kv = engine.kv_cache_manager
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)

@@ -77,11 +77,6 @@ class LLM:
         llm.last_summary = None
         return llm
 
-    @property
-    def engine(self) -> LLMEngine:
-        """refserve's older name for `llm_engine` (vLLM's)."""
-        return self.llm_engine
-
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

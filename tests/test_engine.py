@@ -131,7 +131,7 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
     with pytest.raises(ValueError, match="lower max_model_len to at most 16"):
         make_llm(tiny_folder, num_gpu_blocks_override=4, max_model_len=64)
     with pytest.raises(ValueError, match=r"SamplingParams\.n=9 is more than max_num_seqs"):
-        make_llm(tiny_folder, max_num_seqs=8).engine.add_request(
+        make_llm(tiny_folder, max_num_seqs=8).llm_engine.add_request(
             None, [5, 6], SamplingParams(n=9))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok-1", [5], good)
@@ -238,7 +238,7 @@ def test_contiguous_layout_matches_paged(tiny_folder):
     paged = make_llm(tiny_folder).generate(ps, params)
     contiguous = LLM(model=str(tiny_folder), progress=False, kv_cache_layout="contiguous",
                      max_model_len=64, kv_cache_memory_bytes=1 << 20)
-    assert contiguous.engine.block_size == 64
+    assert contiguous.llm_engine.block_size == 64
     out = contiguous.generate(ps, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in paged]
 

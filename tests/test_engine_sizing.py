@@ -43,7 +43,7 @@ def test_pool_sized_from_kv_cache_memory_is_refused_with_the_knob_named(tiny_fol
 def test_pool_of_exactly_one_sequence_is_accepted_and_serves_it(tiny_folder):
     llm = LLM(model=str(tiny_folder), progress=False, block_size=4, num_gpu_blocks_override=16,
               max_model_len=64)
-    assert llm.engine.num_blocks == 16
+    assert llm.llm_engine.num_blocks == 16
     params = SamplingParams(max_tokens=64 - 40, temperature=0.0, ignore_eos=True)
     out = llm.generate([list(range(3, 43))], params)[0]
     assert len(out.outputs[0].token_ids) == 24       # grew to exactly max_model_len
@@ -73,8 +73,8 @@ def test_numpy_backend_accepts_only_float32(tiny_folder, dtype):
                                          "dtype='float32' or the cupy backend"):
         engine(tiny_folder, dtype=dtype, num_gpu_blocks_override=64)
     for ok in ("auto", "float32"):
-        assert engine(tiny_folder, dtype=ok, num_gpu_blocks_override=64).runner.kv_caches[0][0].dtype \
-            == np.float32
+        kv = engine(tiny_folder, dtype=ok, num_gpu_blocks_override=64).runner.kv_caches
+        assert kv[0][0].dtype == np.float32
 
 
 def test_dtype_sizes_the_pool_and_the_cache_and_only_logits_are_upcast(tiny_folder,

@@ -29,14 +29,14 @@ def test_engine_greedy_equals_transformers_with_chunking_and_preemption(
     llm = LLM(model=str(smollm2_dir), progress=False, num_gpu_blocks_override=36,
               max_num_batched_tokens=48, max_num_seqs=8, max_model_len=576)
     kinds = []
-    schedule = llm.engine.scheduler.schedule
+    schedule = llm.llm_engine.scheduler.schedule
 
     def recording_schedule(*args):
         out = schedule(*args)
         kinds.extend(row.kind for row in out.scheduled)
         return out
 
-    llm.engine.scheduler.schedule = recording_schedule
+    llm.llm_engine.scheduler.schedule = recording_schedule
     outs = llm.generate(ids, SamplingParams(max_tokens=n_new, temperature=0.0,
                                             ignore_eos=True))
     summary = llm.last_summary
@@ -45,14 +45,14 @@ def test_engine_greedy_equals_transformers_with_chunking_and_preemption(
     for prompt_ids, out in zip(ids, outs):
         assert out.outputs[0].token_ids == hf_greedy_fn(hf_smollm2, prompt_ids, n_new), \
             hf_tokenizer.decode(prompt_ids)[:40]
-    kv = llm.engine.kv_cache_manager
+    kv = llm.llm_engine.kv_cache_manager
     kv.check_invariants()
     assert kv.num_held_blocks == 0
 
 
 def test_chat_answer_mentions_paris(smollm2_dir):
     llm = LLM(model=str(smollm2_dir), progress=False)
-    prompt = llm.engine.apply_chat_template(
+    prompt = llm.llm_engine.apply_chat_template(
         "What is the capital of France? Answer in one sentence.")
     out = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))[0]
     assert "Paris" in out.outputs[0].text

@@ -223,7 +223,7 @@ def test_greedy_output_is_the_same_with_every_form(smollm2_dir, monkeypatch):
         llm = LLM(model=str(smollm2_dir), progress=False,
                   speculative_config={"method": "ngram", "num_speculative_tokens": 4})
         if form != "auto":
-            assert llm.engine.model.lm_head.plan == fixed_plan(form)
+            assert llm.llm_engine.model.lm_head.plan == fixed_plan(form)
         outputs[form] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                       use_tqdm=False)]
         del llm

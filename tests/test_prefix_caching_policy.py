@@ -40,8 +40,8 @@ def run(tiny_folder, blocks, one_at_a_time, **kw):
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     else:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    llm.engine.kv_cache_manager.check_invariants()
-    return [o.outputs[0].token_ids for o in outs], llm.engine.stats(), llm
+    llm.llm_engine.kv_cache_manager.check_invariants()
+    return [o.outputs[0].token_ids for o in outs], llm.llm_engine.stats(), llm
 
 
 @pytest.mark.parametrize("blocks, one_at_a_time", [(64, True), (16, True), (16, False)])
@@ -56,7 +56,7 @@ def test_greedy_output_is_the_same_off_hash_radix(tiny_folder, blocks, one_at_a_
     assert radix_stats["prefix_cache_queried_tokens"] >= hash_stats[
         "prefix_cache_queried_tokens"] > 0
     assert radix_stats["prefix_cache_hit_tokens"] >= hash_stats["prefix_cache_hit_tokens"] > 0
-    kv = llm.engine.kv_cache_manager
+    kv = llm.llm_engine.kv_cache_manager
     assert kv.num_held_blocks == 0  # nothing leaks: every block free or cached
     assert kv.num_evictable_blocks + kv.num_free_blocks == kv.num_blocks
     assert kv.num_evictable_blocks == len(kv.cached_blocks()) > 0

@@ -345,7 +345,7 @@ def test_greedy_output_is_the_same_under_every_scheduling_policy(tiny_folder):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False,
                             priority=priorities if policy == "priority" else None)
         outputs[policy] = [o.outputs[0].token_ids for o in outs]
-        llm.engine.kv_cache_manager.check_invariants()
+        llm.llm_engine.kv_cache_manager.check_invariants()
     assert outputs["fcfs"] == outputs["lpm"] == outputs["priority"]
 
 

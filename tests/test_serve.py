@@ -393,10 +393,10 @@ def test_cli_serves_and_rejects_bad_flags(tiny_dir, tmp_path):
 def test_smollm2_greedy_chat_over_http_equals_llm_generate(smollm2_dir):
     llm = LLM(model=str(smollm2_dir), progress=False)
     question = "What is the capital of France? Answer in one word."
-    want = llm.generate([llm.engine.apply_chat_template(question)],
+    want = llm.generate([llm.llm_engine.apply_chat_template(question)],
                         SamplingParams(max_tokens=12, temperature=0.0),
                         use_tqdm=False)[0].outputs[0]
-    s = ServerThread(llm.engine)
+    s = ServerThread(llm.llm_engine)
     try:
         r = s.client().chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=12,

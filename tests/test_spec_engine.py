@@ -185,17 +185,17 @@ def test_greedy_output_identical_and_metrics_add_up(tiny, spec):
     assert f"spec {spec['method']}: acceptance" in s.format()
     d = json.loads(json.dumps(s.to_dict()))
     assert d["speculative_method"] == spec["method"] and 0 <= d["acceptance_rate"] <= 1
-    kv = llm.engine.kv_cache_manager
+    kv = llm.llm_engine.kv_cache_manager
     assert kv.num_held_blocks == 0  # everything returned, drafts included
     if spec["method"] == "draft_model":
-        draft_kv = llm.engine.speculator.proposer.kv_cache_manager
-        llm.engine.propose()  # nothing runs any more: the shadows are released
+        draft_kv = llm.llm_engine.speculator.proposer.kv_cache_manager
+        llm.llm_engine.propose()  # nothing runs any more: the shadows are released
         assert draft_kv.num_held_blocks == 0
 
 
 def test_rejected_drafts_blocks_are_freed_every_step(tiny):
     llm = make_llm(tiny, {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.speculator.proposer = WrongProposer(engine)
     base = tokens(make_llm(tiny).generate(PROMPTS, GREEDY, use_tqdm=False))
     ids = [engine.add_request(None, p, GREEDY) for p in PROMPTS]
@@ -222,9 +222,9 @@ def test_k_is_capped_by_max_tokens_and_max_model_len(tiny, max_tokens, max_model
                                                                 use_tqdm=False)
     llm = make_llm(tiny, {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False},
                    max_model_len=max_model_len)
-    oracle = OracleProposer(llm.engine, {tuple(o.prompt_token_ids): o.outputs[0].token_ids
+    oracle = OracleProposer(llm.llm_engine, {tuple(o.prompt_token_ids): o.outputs[0].token_ids
                                          for o in ref})
-    llm.engine.speculator.proposer = oracle
+    llm.llm_engine.speculator.proposer = oracle
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert tokens(outs) == tokens(ref)
     limit = max_tokens or max_model_len
@@ -262,7 +262,7 @@ def test_adaptive_rule_stops_a_hopeless_proposer(tiny):
     for adaptive in (False, True):
         llm = make_llm(tiny, {"method": "ngram", "num_speculative_tokens": 4,
                               "adaptive": adaptive})
-        llm.engine.speculator.proposer = WrongProposer(llm.engine)
+        llm.llm_engine.speculator.proposer = WrongProposer(llm.llm_engine)
         (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
         runs[adaptive] = out.metrics
     # without the rule every decode verifies (all but the prefill and the last token,
@@ -278,7 +278,7 @@ def test_failed_verify_restores_the_generators(tiny):
             "adaptive": False}
     params = SamplingParams(max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
     expected = tokens(make_llm(tiny, spec).generate(PROMPTS, params, use_tqdm=False))
-    engine: LLMEngine = make_llm(tiny, spec).engine
+    engine: LLMEngine = make_llm(tiny, spec).llm_engine
     ids = [engine.add_request(None, p, params) for p in PROMPTS]
     real, calls = engine.backend.rejection_sample, [0]
 
@@ -305,7 +305,7 @@ def test_failed_proposal_stage_is_an_engine_step_error_and_leaves_no_drafts(tiny
     spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": "self",
             "num_draft_layers": 1, "adaptive": False}
     expected = tokens(make_llm(tiny, spec).generate(PROMPTS, GREEDY, use_tqdm=False))
-    engine = make_llm(tiny, spec).engine
+    engine = make_llm(tiny, spec).llm_engine
     ids = [engine.add_request(None, p, GREEDY) for p in PROMPTS]
     real, calls = engine.speculator.proposer.runner.forward, [0]
 

@@ -53,7 +53,7 @@ def test_greedy_identity_with_chunked_prefill_and_preemption(smollm2_dir, plain_
     s = llm.last_summary
     assert s.num_preemptions > 0
     assert s.num_spec_accepted > 0 and s.target_passes_per_output_token < 1.0
-    kv = llm.engine.kv_cache_manager
+    kv = llm.llm_engine.kv_cache_manager
     assert kv.num_held_blocks == 0
 
 

@@ -595,10 +595,10 @@ def generate(tiny_folder, spy=None, **kw):
     llm = LLM(model=str(tiny_folder), progress=False, block_size=4, max_model_len=48,
               num_gpu_blocks_override=16, max_num_seqs=4, **kw)
     if spy is not None:
-        spy(llm.engine)
+        spy(llm.llm_engine)
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
-    llm.engine.kv_cache_manager.check_invariants()
-    return [o.outputs[0].token_ids for o in outs], llm.engine.stats()
+    llm.llm_engine.kv_cache_manager.check_invariants()
+    return [o.outputs[0].token_ids for o in outs], llm.llm_engine.stats()
 
 
 def test_swapped_in_kv_equals_what_was_swapped_out(tiny_folder):

@@ -38,7 +38,7 @@ POSITIVE = ("num_requests", "mean_output", "max_running", "overhead_running", "o
 
 
 def run_refserve(llm, workload: Workload, label: str) -> dict:
-    engine = llm.engine
+    engine = llm.llm_engine
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in workload.output_lens]
     before = engine.stats()
@@ -112,7 +112,7 @@ def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
     """One decode step with `running` sequences, taken apart: the whole step, the model
     forward, the dense-matmul floor (the same matmuls on random weights of the model's
     shapes, nothing else), and the sampler at top_p 0.9 (non-greedy, the costly case)."""
-    engine = llm.engine
+    engine = llm.llm_engine
     wl = make_workload(running, seed=1, vocab_size=vocab_size, prompt_range=(32, 64))
     for p in wl.prompts:
         engine.add_request(None, p, SamplingParams(max_tokens=steps + 1, temperature=0.8,
@@ -182,7 +182,7 @@ def run(args) -> dict:
     common = dict(model=args.model, max_num_seqs=args.max_running, progress=False,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     cont = traced(args, LLM(**common), "continuous")
-    vocab = cont.engine.model.config.vocab_size
+    vocab = cont.llm_engine.model.config.vocab_size
     wl = make_workload(args.num_requests, args.seed, vocab, mean_output=args.mean_output)
     print(f"workload: {len(wl.prompts)} requests, prompts {min(map(len, wl.prompts))}-"
           f"{max(map(len, wl.prompts))} tokens, outputs {min(wl.output_lens)}-"
@@ -193,7 +193,7 @@ def run(args) -> dict:
     rows.append(run_refserve(static, wl, "refserve static"))
     assert rows[1]["outputs"] == rows[0]["outputs"], "static and continuous outputs differ"
     if not args.no_hf:
-        rows.append(run_transformers(cont.engine.model_path, wl, args.max_running))
+        rows.append(run_transformers(cont.llm_engine.model_path, wl, args.max_running))
         same = sum(a == b for a, b in zip(rows[2]["outputs"], rows[0]["outputs"]))
         rows[2]["same_outputs_as_refserve"] = same
     for r in rows:

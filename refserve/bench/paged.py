@@ -32,14 +32,14 @@ def run(args) -> dict:
     common = dict(model=args.model, max_num_seqs=args.max_running, progress=False,
                   max_model_len=MAX_LEN, max_num_batched_tokens=args.max_num_batched_tokens)
     paged = traced(args, LLM(**common), "paged")
-    vocab = paged.engine.model.config.vocab_size
+    vocab = paged.llm_engine.model.config.vocab_size
     wl = make_workload(args.num_requests, args.seed, vocab, mean_output=args.mean_output)
-    rows = [run_refserve(paged, wl, f"paged (block {paged.engine.block_size})")]
+    rows = [run_refserve(paged, wl, f"paged (block {paged.llm_engine.block_size})")]
     contiguous = traced(args, LLM(kv_cache_layout="contiguous", **common), "contiguous")
     rows.append(run_refserve(contiguous, wl, f"contiguous ({MAX_LEN} slots/seq)"))
     assert rows[0]["outputs"] == rows[1]["outputs"], "paged and contiguous outputs differ"
     for r, llm in zip(rows, (paged, contiguous)):
-        r["forward_s"] = llm.engine.runner.time_in_forward
+        r["forward_s"] = llm.llm_engine.runner.time_in_forward
     result = {"rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
     result["wall_ratio"] = rows[0]["elapsed_s"] / rows[1]["elapsed_s"]
     result["forward_ratio"] = rows[0]["forward_s"] / rows[1]["forward_s"]

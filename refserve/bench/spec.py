@@ -128,8 +128,8 @@ def run(args) -> dict:
     for llm in llms.values():  # warm-up: first-call costs are not speculation's
         llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)
-    ratios = verify_pass_ratios(llms["none"].engine.model)
-    cost = llms["ngram"].engine.speculator.adaptive.pass_cost
+    ratios = verify_pass_ratios(llms["none"].llm_engine.model)
+    cost = llms["ngram"].llm_engine.speculator.adaptive.pass_cost
     ratios.update(adaptive_batch1=cost.ratio(1, args.k), adaptive_batch8=cost.ratio(8, args.k))
     print(f"5-row / 1-row forward (batch 1): {ratios['few_row']:.2f}x with the few-row forms, "
           f"{ratios['plain']:.2f}x as one sgemm (REFSERVE_MATMUL=plain); 1-row forward "
