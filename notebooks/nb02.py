@@ -14,7 +14,7 @@ stage hands its result to the next as a value:
 proposals = engine.propose()                       # speculative drafts ({} without)
 out       = scheduler.schedule(proposals)          # who computes which tokens: admit / advance / preempt
 inputs    = runner.prepare(out)                    # the flat batch + attention metadata
-runner.copy_blocks(out.block_copies)               # copy-on-write, before anyone writes
+runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)   # swaps, copy-on-write
 logits    = runner.forward(inputs)                 # per layer: write_kv, paged_attention
 sampled   = engine.sample(out, logits, proposals)  # one token per sampling row
 update    = scheduler.update(out, sampled)         # append under the stop rules, retire, release
@@ -122,14 +122,14 @@ inputs = runner.prepare(out)
 print(inputs)
 """),
     ("md", r"""
-### Stage 3: `runner.copy_blocks(out.block_copies)`
+### Stage 3: `runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)`
 
 Copy-on-write pairs, copied in every layer's K and V cache **before** the forward writes.
 Nobody shares a block in this workload, so the list is empty (notebook 01 shows a real copy).
 """),
     ("code", r"""
 print("copy-on-write pairs:", out.block_copies)
-runner.copy_blocks(out.block_copies)
+runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)
 """),
     ("md", r"""
 ### Stage 4: `logits = runner.forward(inputs)`
@@ -211,7 +211,7 @@ def iteration(engine):
     proposals = engine.propose()
     out = scheduler.schedule(proposals)
     inputs = runner.prepare(out)
-    runner.copy_blocks(out.block_copies)
+    runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)
     logits = runner.forward(inputs)
     sampled = engine.sample(out, logits, proposals)
     update = scheduler.update(out, sampled)

@@ -10,6 +10,7 @@ ENTRY_POINTS = (
     ("python -m refserve.simulate", "one serving configuration at GPU scale, simulated"),
     ("python -m refserve.plan", "search configurations under SLOs; prints the vllm serve line"),
     ("python -m refserve.course", "the course: student copy and grading report"),
+    ("python -m refserve.tour", "one engine step traced: the files and lines a student reads"),
 )
 
 

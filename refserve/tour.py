@@ -16,7 +16,6 @@ then the totals:
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import sys
 from collections import defaultdict
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import refserve
+from refserve.config import BACKENDS
+from refserve.entrypoints.cli_common import ArgumentParser
 
 PACKAGE = Path(refserve.__file__).parent
 STAGES = ("propose", "schedule", "prepare", "copy_blocks", "forward", "sample", "update",
@@ -163,11 +164,12 @@ def reading_list(trace: Trace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m refserve.tour",
         description="Trace one decode step of a small batch and print what it executed.")
-    parser.add_argument("--backend", default="numpy",
-                        help="numpy (the reference, default), cpu or auto")
+    parser.add_argument("--backend", default="numpy", choices=BACKENDS,
+                        help="numpy (the reference, default), cpu (the tuned CPU backend) "
+                             "or auto")
     parser.add_argument("--batch", type=int, default=4, help="requests decoding (default 4)")
     parser.add_argument("--markdown", action="store_true",
                         help="print the reading list of docs/architecture.md instead")

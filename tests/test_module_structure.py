@@ -12,7 +12,8 @@ import refserve
 ROOT = Path(refserve.__file__).parent
 # Entry points: they may import anything; nothing else may import them.
 CLI_MODULES = {"refserve.capacity_cli", "refserve.generate", "refserve.bench",
-               "refserve.serve", "refserve.course", "refserve.simulate", "refserve.plan"}
+               "refserve.serve", "refserve.course", "refserve.simulate", "refserve.plan",
+               "refserve.tour"}
 
 
 def module_name(path: Path) -> str:
@@ -135,7 +136,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("llm, entrypoints, CLIs, bench, simulator", (
         "refserve", "refserve.__main__", "refserve.llm", "refserve.entrypoints",
         "refserve.generate", "refserve.serve", "refserve.bench", "refserve.capacity_cli",
-        "refserve.selfcheck", "refserve.course", "refserve.prompt_files",
+        "refserve.selfcheck", "refserve.course", "refserve.tour", "refserve.prompt_files",
         "refserve.simulator", "refserve.simulate", "refserve.plan")),
 ]
 
