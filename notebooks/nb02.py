@@ -162,7 +162,7 @@ print("seq_id -> sampled tokens:", sampled.token_ids)
 
 Now the step is applied, and this is the ONLY place a sequence finishes:
 `num_computed_tokens` advances by the tokens computed, sampled tokens are appended one by one
-under the stop rules (EOS, stop ids, stop strings, lengths: `refserve/scheduler/stop_rules.py`),
+under the stop rules (EOS, stop ids, stop strings, lengths: `refserve/refserve/sequence.py`),
 full computed blocks are hashed for the prefix cache, finished sequences are RETIRED and their
 blocks released. The `StepUpdate` it returns records what it decided.
 

@@ -34,7 +34,6 @@ import numpy as np
 
 from refserve.backends import get_backend
 from refserve.config import EngineConfig
-from refserve.detokenizer import IncrementalDetokenizer
 from refserve.engine_setup import plan_kv_pool, resolve_token_budget, startup_lines
 from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
@@ -50,7 +49,7 @@ from refserve.sampling import Sampler, SamplingParams, make_generator
 from refserve.scheduler import ChildDraw, SampledTokens, SchedulerOutput, StepUpdate
 from refserve.scheduler.drafts import Proposals, verify_inputs
 from refserve.scheduler.factory import make_scheduler
-from refserve.sequence import Sequence
+from refserve.sequence import IncrementalDetokenizer, Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
 from refserve.speculation.registry import resolve as resolve_proposer
 from refserve.speculation.speculator import Speculator
@@ -175,7 +174,7 @@ class LLMEngine(RequestIntake):
             req.prompt_logprobs = score_prompt(self, token_ids, params.prompt_logprobs)
         seq = Sequence(request_id, token_ids, params, now)
         seq.bad_words_token_ids = self.bad_words_token_ids(params)
-        # The stop rules grow the text token by token (scheduler/stop_rules.py).
+        # The stop rules grow the text token by token (refserve/sequence.py).
         if self.tokenizer is not None and params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                      params.spaces_between_special_tokens)

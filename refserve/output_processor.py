@@ -1,7 +1,7 @@
 """After `scheduler.update`: what a step means for its callers, as `RequestOutput`s.
 
 `update` already decided everything (which tokens and logprobs were appended, which sequences
-stopped and why, where a stop string cuts the text: scheduler/stop_rules.py). This module only
+stopped and why, where a stop string cuts the text: refserve/sequence.py). This module only
 reports it, reading the `StepUpdate` it is given and the sequences, never the scheduler:
 
     count target passes        one per sampling row; a verify row's (proposed, accepted)

@@ -30,7 +30,7 @@
 -1 for logprobs means every vocabulary entry at every position (a dict of V entries each
 step: costly, asked for explicitly). The logits processors (logit_bias, allowed_token_ids,
 bad_words, min_tokens, penalties) are in refserve/logits_processors.py; the three text
-options in refserve/detokenizer.py. Token
+options in refserve/sequence.py (its incremental detokenizer). Token
 ids are checked against the model's vocabulary when the request is added (the engine knows
 it, these params do not), with the same `SamplingParams.<field>=` message.
 

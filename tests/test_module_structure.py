@@ -123,7 +123,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("config, params, sequence", (
         "refserve.config", "refserve.speculative_config",
         "refserve.sampling_params", "refserve.sampling", "refserve.logits_processors",
-        "refserve.logprobs", "refserve.detokenizer", "refserve.inputs", "refserve.metrics",
+        "refserve.logprobs", "refserve.inputs", "refserve.metrics",
         "refserve.outputs", "refserve.sequence")),
     ("kv cache and capacity", ("refserve.kv_cache", "refserve.capacity")),
     ("scheduler", ("refserve.scheduler",)),

@@ -1,4 +1,4 @@
-"""The stop rules, decided token by token in `Scheduler.update` (scheduler/stop_rules.py).
+"""The stop rules, decided token by token in `Scheduler.update` (refserve/sequence.py).
 
 Two layers: `append_tokens` on one sequence with a one-letter-per-token tokenizer (so each
 test says exactly which token completes a stop string), and the engine with speculative
@@ -13,11 +13,15 @@ import pytest
 from model_utils import LetterTokenizer
 
 from refserve import LLM, SamplingParams
-from refserve.detokenizer import IncrementalDetokenizer
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.scheduler import Proposal, Scheduler
-from refserve.scheduler.stop_rules import append_tokens, find_stop_string
-from refserve.sequence import Sequence, SequenceStatus
+from refserve.sequence import (
+    IncrementalDetokenizer,
+    Sequence,
+    SequenceStatus,
+    append_tokens,
+    find_stop_string,
+)
 from refserve.speculation.proposer import Proposer
 
 STOPPED, LENGTH = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from refserve import LLM, SamplingParams
-from refserve.detokenizer import IncrementalDetokenizer
+from refserve.sequence import IncrementalDetokenizer
 
 PROMPT = "The engine keeps a pool of blocks."
 

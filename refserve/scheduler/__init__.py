@@ -11,7 +11,6 @@
     step_retry.py         the copies of a step that was never applied, carried into the next
     swapping.py           preemption_mode="swap": victims' KV to the host pool and back
     fits.py               could a request ever run? (checked before it is queued)
-    stop_rules.py         when a sequence stops, decided token by token as update() appends
     drafts.py             a draft token's life (speculative decoding): propose, trim, verify
     demo.py               a stub model; `python -m refserve.scheduler` prints a few steps
 """

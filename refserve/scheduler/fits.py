@@ -1,7 +1,7 @@
 """Could this request ever run? Checked before anything is queued or allocated (the
 scheduler's add_sequence, the engine's validate_request). And could a scheduler with these
 limits ever run anything (check_scheduler_args, at construction). The other rule of a sequence's
-length, when it stops, is stop_rules.py's.
+length, when it stops, is the stop rules' (refserve/sequence.py).
 """
 
 from __future__ import annotations

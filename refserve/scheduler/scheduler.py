@@ -61,9 +61,8 @@ from refserve.scheduler.output import (
 )
 from refserve.scheduler.scheduling_policy import SchedulingPolicy, make_policy
 from refserve.scheduler.step_retry import carry_over, last_per_destination
-from refserve.scheduler.stop_rules import append_tokens
 from refserve.scheduler.swapping import Swapper
-from refserve.sequence import Sequence, SequenceStatus
+from refserve.sequence import Sequence, SequenceStatus, append_tokens
 
 NO_PROPOSALS: Mapping[int, Proposal] = {}
 
@@ -391,7 +390,7 @@ class Scheduler(Forking):
         are forked (`sampled.children`, forking.py), each with its own generator and first
         token. Then, for each row's sequence (and the children riding its row):
 
-            append the sampled token(s) one by one under the stop rules (stop_rules.py);
+            append the sampled token(s) one by one under the stop rules (sequence.py);
                 a stop inside a verify row's run drops the tokens after it
             num_computed_tokens = row.start + row.num_tokens, after a sampling row at most
                 num_tokens - 1: the last appended token has no K/V yet, and neither have
