@@ -112,7 +112,17 @@ class SamplingParams:
         return exc(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
     def validate(self) -> None:
-        """Check and normalise every field; raises TypeError / ValueError naming the field."""
+        """Check and normalise every field, raising TypeError / ValueError naming the field,
+        then derive what the sampler asks of every row (call it again after changing a
+        field):
+
+            greedy           temperature < 1e-5 (vLLM's cut-off): argmax, no random draw
+            has_penalties    a repetition / presence / frequency penalty changes the logits
+            rewrites_logits  a logits processor other than min_tokens changes the logits at
+                             every step (penalties, logit_bias, allowed_token_ids,
+                             bad_words): such rows never speculate (the verify step does
+                             not apply processors)
+        """
         self._check_types()
         if self.seed == -1:
             self.seed = None        # vLLM: -1 means "no seed"
@@ -165,6 +175,11 @@ class SamplingParams:
               "biases must be finite numbers (-100 bans a token in practice, +100 forces it)")
         check(all(w.strip() for w in self.bad_words or ()), "bad_words",
               "bad words must be non-empty, non-blank strings")
+        self.greedy = self.temperature < GREEDY_BELOW
+        self.has_penalties = (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                              or self.frequency_penalty != 0.0)
+        self.rewrites_logits = (self.has_penalties or bool(self.logit_bias)
+                                or self.allowed_token_ids is not None or bool(self.bad_words))
 
     def check_vocab(self, vocab_size: int) -> None:
         """The token-id fields against the model's vocabulary (0..vocab_size-1), as vLLM's
@@ -234,27 +249,6 @@ class SamplingParams:
             if not (isinstance(words, (list, tuple)) and all(isinstance(w, str) for w in words)):
                 raise self._error(TypeError, "bad_words", "must be a list of strings or None")
             self.bad_words = list(words)
-
-    # ---- derived values ----------------------------------------------------------------
-
-    @property
-    def greedy(self) -> bool:
-        """Temperature 0 (below 1e-5, as vLLM): argmax, no random draw."""
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def rewrites_logits(self) -> bool:
-        """Whether a logits processor other than min_tokens changes this request's logits at
-        every step (penalties, logit_bias, allowed_token_ids, bad_words). Such rows are
-        sampled on the host and never speculate (the verify step does not apply them)."""
-        return (self.has_penalties or bool(self.logit_bias)
-                or self.allowed_token_ids is not None or bool(self.bad_words))
-
-    @property
-    def has_penalties(self) -> bool:
-        """Whether any of repetition / presence / frequency penalty changes the logits."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
 
     def max_output_tokens(self, num_prompt_tokens: int, max_model_len: int) -> int:
         """How many tokens this request may generate: max_tokens, capped by what is left of
