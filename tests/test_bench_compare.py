@@ -114,3 +114,4 @@ def test_compare_two_refserves_end_to_end(tmp_path, smollm2_dir):
     ratios = [r for r in data["summary"] if "rounds" not in r]
     assert len(ratios) == 3 and all(r["throughput_tok_s"] > 0 for r in ratios)
     assert any(n.startswith("refserve: refserve: ") for n in data["engine_notes"])
+    assert all(len(data["load_average"][k]) == 3 for k in ("before", "after"))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shlex
 import statistics
@@ -262,6 +263,7 @@ def run(args) -> dict:
     model_dir = _model_dir(args)
     vocab = _vocab_size(model_dir)
     rows: list[dict] = []
+    load = {"before": os.getloadavg()}     # another job on the cores changes everything
     with ExitStack() as stack:
         targets = _start(stack, args, model_dir)
         names = (targets[0].name, targets[1].name)
@@ -274,6 +276,7 @@ def run(args) -> dict:
                 for t in order:
                     rows.append(measure(t, workload, reqs, concurrency, rnd))
         notes = [n for t in targets for n in _engine_notes(t)]
+    load["after"] = os.getloadavg()
     summary = summarise(rows, names)
     print("\nevery round:")
     print_table(rows, [("round", "round", "d"), *COLUMNS])
@@ -284,11 +287,13 @@ def run(args) -> dict:
     print("\nhow each engine ran (from its log):")
     for n in notes:
         print("  " + n)
+    print("load average (1, 5, 15 min) before / after: " + " / ".join(
+        ", ".join(f"{x:.2f}" for x in load[k]) for k in ("before", "after")))
     lost = [r for r in rows if r["finished"] != r["sent"]]
     print("every request finished" if not lost else
           f"UNFINISHED requests: {[(r['workload'], r['engine'], r.get('errors')) for r in lost]}")
     return {"rows": rows, "summary": summary, "engine_notes": notes,
-            "engines": list(names)}
+            "engines": list(names), "load_average": load}
 
 
 def plot(result: dict, path: Path) -> None:
