@@ -6,7 +6,9 @@ stopping it also stops the workers it spawned, as vLLM's engine core) or is give
 and only talks to it. Every server the bench starts is stopped when the `with` block ends,
 whatever happened inside it (an error, Ctrl-C), and never listens beyond 127.0.0.1.
 
-    with start_refserve(["--max-num-seqs", "16"], timeout=180) as target:
+    port = free_port()
+    with running("refserve", refserve_command(port, ["--max-num-seqs", "16"]), port,
+                 timeout=180) as target:
         target.url, target.model          # http://127.0.0.1:PORT, "bench"
         target.metric_total("prefix_cache_hits_total")   # /metrics, any engine's prefix
 
