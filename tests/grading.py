@@ -179,6 +179,11 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_lifecycle_owners.py", None, ("scheduler",)),
     ("test_dependencies.py", None, ("course",)),
     ("test_metrics*.py", None, ("engine",)),
+    # against a recording of the real vLLM (tests/data/vllm_parity.json)
+    ("test_vllm_parity.py", r"sampling_field", ("sampling",)),
+    ("test_vllm_parity.py", None, ("model_parity",)),
+    ("test_vllm_parity_spec.py", None, ("spec_e2e",)),
+    ("test_vllm_api_edges.py", None, ("engine",)),
 ]
 
 # Skip reasons that mean "this machine cannot run a GPU check" (lower-cased): the convention

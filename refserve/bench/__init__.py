@@ -17,6 +17,8 @@ Scenarios (one file each in this package)
     sim-fidelity  the simulator vs the real engine: fit the cost model on a profiling run,
                then throughput / TTFT / TPOT errors on other workloads (refserve/simulator/)
     preemption recompute vs swap preemption against context length, a pool forced to preempt
+    compare    refserve beside vLLM (its own virtual environment) or any OpenAI-compatible
+               server, engines interleaved: throughput, TTFT, TPOT/ITL p50/p99, prefix hits
 
 Each prints a table, states the machine (cores, BLAS and its kernel, GPU) and the exact
 command, writes every number with --json and a chart with --plot (and the engines' timelines with

@@ -1,10 +1,14 @@
 """`loadtest`: the OpenAI-compatible server under Poisson traffic, over real sockets.
 
-`python -m refserve.serve` is started in its own process on a free loopback port. For each
-request rate, N streaming completions are sent at Poisson arrival times (seeded), and every
-number is measured on the client side, as a user would see it:
+`python -m refserve.serve` is started in its own process on a free loopback port; with
+`--url`, any OpenAI-compatible server already running (vLLM's, refserve's, another) is driven
+instead, as vLLM's own serving benchmark does. For each request rate, N streaming completions
+are sent at Poisson arrival times (seeded), and every number is measured on the client side,
+as a user would see it:
     TTFT        first text chunk received - request sent
     TPOT        (last chunk - first chunk) / (output tokens - 1)
+    ITL         the gaps between consecutive text chunks (one per token when the server
+                streams every token)
     throughput  output tokens / (last response done - first request sent)
     goodput     requests/s that met both SLOs (TTFT <= --slo-ttft and TPOT <= --slo-tpot)
     $ / 1M      --usd-per-hour / 3600 / throughput x 1e6 (the machine rented by the hour)
@@ -16,10 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from refserve.bench.common import ms, percentiles, print_table, pyplot, save_figure
 from refserve.bench.corpus import PARAGRAPHS, QUESTIONS
+from refserve.bench.servers import free_port, given, refserve_command, running
 from refserve.bench.workloads import poisson_arrivals
 
 HELP = "the HTTP server under Poisson load: TTFT/TPOT percentiles, goodput, $/1M tokens"
@@ -47,6 +48,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-waiting", type=int, default=64)
     p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument("--url", default=None,
+                   help="drive the OpenAI-compatible server at this URL (e.g. a vLLM server: "
+                        "http://127.0.0.1:8000) instead of starting refserve's; the model is "
+                        "the first one it lists at /v1/models")
 
 
 def apply_quick(args) -> None:
@@ -70,14 +75,17 @@ def _requests(n: int, mean_output: int, max_paragraphs: int, seed: int) -> list[
     return out
 
 
-async def _one(client, url: str, model: str, req: dict, delay: float, t0: float) -> dict:
+async def stream_completion(client, url: str, model: str, req: dict, delay: float,
+                            t0: float) -> dict:
+    """Send one streaming completion `delay` s after `t0` (req: "prompt", text or token ids,
+    and "max_tokens"; greedy, EOS ignored) and time it as the client sees it."""
     await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
     body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"],
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     rec = {"sent": sent - t0, "max_tokens": req["max_tokens"], "outcome": "failed",
-           "ttft": None, "tpot": None, "tokens": 0}
+           "ttft": None, "tpot": None, "tokens": 0, "itl": []}
     first = last = None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -102,7 +110,10 @@ async def _one(client, url: str, model: str, req: dict, delay: float, t0: float)
                 if chunk.get("usage"):
                     rec["tokens"] = chunk["usage"]["completion_tokens"]
                 if chunk["choices"] and chunk["choices"][0]["text"]:
-                    last = time.perf_counter()
+                    now = time.perf_counter()
+                    if last is not None:
+                        rec["itl"].append(now - last)
+                    last = now
                     first = first or last
         if done and rec["tokens"] == req["max_tokens"]:
             rec["outcome"] = "finished"
@@ -118,17 +129,23 @@ async def _one(client, url: str, model: str, req: dict, delay: float, t0: float)
     return rec
 
 
-async def _sweep_rate(url: str, model: str, reqs: list[dict], arrivals: list[float],
-                      desc: str) -> tuple[list[dict], float]:
+async def send_requests(url: str, model: str, reqs: list[dict], arrivals: list[float],
+                        desc: str, max_concurrency: int | None = None
+                        ) -> tuple[list[dict], float]:
+    """Send every request at its arrival time (s after the start); with `max_concurrency`,
+    a request also waits until fewer than that many are in flight (1: one after another).
+    Returns the per-request records and the wall time."""
     import httpx
 
     bar = tqdm(total=len(reqs), desc=desc, unit="req")
     limits = httpx.Limits(max_connections=len(reqs) + 8)
+    seats = asyncio.Semaphore(max_concurrency or len(reqs))
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         t0 = time.perf_counter()
 
         async def tracked(req, delay):
-            rec = await _one(client, url, model, req, delay, t0)
+            async with seats:
+                rec = await stream_completion(client, url, model, req, delay, t0)
             bar.update(1)
             return rec
 
@@ -146,6 +163,7 @@ def _summarise(rate: float, recs: list[dict], wall: float, args) -> dict:
     good = [r for r in fin if r["ttft"] is not None and r["ttft"] <= args.slo_ttft
             and (r["tpot"] is None or r["tpot"] <= args.slo_tpot)]
     ttft, tpot = percentiles([r["ttft"] for r in fin]), percentiles([r["tpot"] for r in fin])
+    itl = percentiles([gap for r in fin for gap in r["itl"]])
     row = {"rate": rate, "sent": len(recs), "finished": len(fin),
            "rejected": sum(r["outcome"] == "rejected" for r in recs),
            "failed": sum(r["outcome"] == "failed" for r in recs),
@@ -155,7 +173,7 @@ def _summarise(rate: float, recs: list[dict], wall: float, args) -> dict:
            "slo_attained": len(good) / len(recs),
            "usd_per_1m_output_tokens": (args.usd_per_hour / 3600 / throughput * 1e6
                                         if throughput > 0 else None)}
-    for name, p in (("ttft", ttft), ("tpot", tpot)):
+    for name, p in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         for q, v in p.items():
             row[f"{name}_{q}_ms"] = ms(v)
     errors = sorted({r["error"] for r in recs if r.get("error")})
@@ -164,68 +182,40 @@ def _summarise(rate: float, recs: list[dict], wall: float, args) -> dict:
     return row
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(args, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "refserve.serve", "--port", str(port), "--max-num-seqs",
-           str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
-           "--served-model-name", "bench"]
+def _serve_args(args) -> list[str]:
+    extra = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting)]
     if args.model:
-        cmd += ["--model", args.model]
+        extra += ["--model", args.model]
     if getattr(args, "trace", None) is not None:
-        cmd += ["--trace", str(args.trace)]
-    print("server: " + " ".join(cmd[1:]), flush=True)
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        extra += ["--trace", str(args.trace)]
+    return extra
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise ValueError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise ValueError(f"the server did not answer /health within {timeout:.0f} s")
+def _server(args):
+    """The server under test: the one at --url, else refserve's, started here."""
+    if args.url:
+        return given("server", args.url)
+    port = free_port()
+    return running("refserve", refserve_command(port, _serve_args(args)), port,
+                   args.startup_timeout)
 
 
 def run(args) -> dict:
-    import httpx
-
-    from refserve.entrypoints.prometheus import parse_metrics
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = _start_server(args, port)
+    if args.url and getattr(args, "trace", None) is not None:
+        raise ValueError("--trace records the server this bench starts; with --url, trace "
+                         "the server where it runs")
     rows = []
-    try:
-        _wait_healthy(proc, url, args.startup_timeout)
+    with _server(args) as target:
         for i, rate in enumerate(args.rates):
             reqs = _requests(args.num_requests, args.mean_output, args.max_paragraphs,
                              args.seed + i)
             arrivals = poisson_arrivals(args.num_requests, rate, args.seed + i)
-            recs, wall = asyncio.run(_sweep_rate(url, "bench", reqs, arrivals,
-                                                 f"rate {rate:g} req/s"))
+            recs, wall = asyncio.run(send_requests(target.url, target.model, reqs, arrivals,
+                                                   f"rate {rate:g} req/s"))
             row = _summarise(rate, recs, wall, args)
-            server = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
-            row["server_preemptions_total"] = server.get("refserve:num_preemptions_total")
+            row["server_preemptions_total"] = target.metric_total("num_preemptions_total")
             rows.append(row)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    proc = target.proc
     if getattr(args, "trace", None) is not None:
         written = args.trace.exists() and proc.returncode == 0
         print(f"trace: {args.trace} (the server's; open it in https://ui.perfetto.dev)"

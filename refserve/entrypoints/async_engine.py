@@ -31,7 +31,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from refserve.entrypoints.prometheus import ServerMetrics
+from refserve.entrypoints.prometheus import ServerMetrics, engine_gauges
 from refserve.sampling import SamplingParams
 
 
@@ -273,20 +273,7 @@ class AsyncEngine:
 
     def _snapshot(self) -> None:
         """Gauges for /metrics, read without the lock (one attribute assignment)."""
-        engine = self.engine
-        kv = engine.kv_cache_manager
-        stats = engine.stats()
-        queried = stats.get("prefix_cache_queried_tokens", 0)
-        self.metrics.gauges = {
-            "num_requests_running": engine.scheduler.num_running,
-            "num_requests_waiting": engine.scheduler.num_waiting,
-            "kv_cache_blocks_used": kv.num_held_blocks,
-            "kv_cache_blocks_total": kv.num_blocks,
-            "prefix_cache_hit_rate": (stats.get("prefix_cache_hit_tokens", 0) / queried
-                                      if queried else 0.0),
-            "num_preemptions": stats.get("num_preemptions", 0),
-            "num_steps": stats.get("num_steps", 0),
-        }
+        self.metrics.gauges = engine_gauges(self.engine)
 
 
 def _settle(future: asyncio.Future, error: Exception | None) -> None:

@@ -34,7 +34,30 @@ GAUGE_HELP = {
 COUNTER_GAUGES = {  # monotonic engine counters, exposed as counters
     "num_preemptions": "Recompute preemptions since start.",
     "num_steps": "Engine steps since start.",
+    # vLLM's vllm:prefix_cache_queries / _hits, in tokens
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache since start.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache (not computed) since start.",
 }
+
+
+def engine_gauges(engine) -> dict[str, float]:
+    """The engine's state now, by the names of GAUGE_HELP and COUNTER_GAUGES: what /metrics
+    and `LLM.get_metrics()` report besides the per-request counts."""
+    kv = engine.kv_cache_manager
+    stats = engine.stats()
+    queried = stats.get("prefix_cache_queried_tokens", 0)
+    hits = stats.get("prefix_cache_hit_tokens", 0)
+    return {
+        "num_requests_running": engine.scheduler.num_running,
+        "num_requests_waiting": engine.scheduler.num_waiting,
+        "kv_cache_blocks_used": kv.num_held_blocks,
+        "kv_cache_blocks_total": kv.num_blocks,
+        "prefix_cache_hit_rate": hits / queried if queried else 0.0,
+        "num_preemptions": stats.get("num_preemptions", 0),
+        "num_steps": stats.get("num_steps", 0),
+        "prefix_cache_queries": queried,
+        "prefix_cache_hits": hits,
+    }
 
 
 class Histogram:
@@ -50,12 +73,16 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def lines(self, name: str) -> list[str]:
-        out, cumulative = [], 0
+    def cumulative(self) -> dict[str, int]:
+        """{le: observations <= le} for every bound, "+Inf" last (it counts them all)."""
+        out, total = {}, 0
         for bound, n in zip((*self.buckets, float("inf")), self.counts):
-            cumulative += n
-            le = "+Inf" if bound == float("inf") else repr(float(bound))
-            out.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
+            total += n
+            out["+Inf" if bound == float("inf") else repr(float(bound))] = total
+        return out
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{le}"}} {n}' for le, n in self.cumulative().items()]
         out += [f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
         return out
 
@@ -98,6 +125,17 @@ class ServerMetrics:
                 self.tpot.observe(m.tpot)
             if m.finish_time is not None:
                 self.e2e.observe(m.finish_time - m.arrival_time)
+
+    def request_counts(self) -> dict:
+        """The per-request counts at one instant (taken under the lock): prompt_tokens,
+        generation_tokens, finish_reasons {reason: n}, and for ttft, tpot and e2e each a
+        (count, sum, cumulative buckets) triple."""
+        with self._lock:
+            return {"prompt_tokens": self.prompt_tokens,
+                    "generation_tokens": self.generation_tokens,
+                    "finish_reasons": dict(self.finish_reasons),
+                    **{name: (h.count, h.sum, h.cumulative()) for name, h in
+                       (("ttft", self.ttft), ("tpot", self.tpot), ("e2e", self.e2e))}}
 
     def render(self) -> str:
         lines: list[str] = []
