@@ -30,8 +30,10 @@ def test_composition_sums_by_hand():
     # A 4-token prefill of a new sequence and a decode at context 10.
     comp = StepComposition.from_rows([(4, 4, 1), (1, 10, 1)])
     # query-key pairs: the prefill's 4 queries see 1, 2, 3, 4 keys = 10; the decode 10
+    # both rows sample; the prefill has query tokens without logits (a prefill row)
     assert comp == StepComposition(num_rows=2, num_tokens=5, num_logits=2,
-                                   context_tokens=14, attention_pairs=20)
+                                   context_tokens=14, attention_pairs=20,
+                                   num_sampling_rows=2, num_prefill_rows=1)
     # A chunk of 3 tokens at positions 5..7 (context 8 after the step), no logits:
     # queries see 6, 7, 8 keys.
     assert StepComposition.from_rows([(3, 8, 0)]).attention_pairs == 21
@@ -54,7 +56,8 @@ def test_terms_by_hand():
     assert t["linear"] == pytest.approx(max(10400 / 5e5, 2200 / 5e4)) == pytest.approx(0.044)
     # attention: 1280 / (1e6 * 0.25) = 0.00512 s vs KV 448 / 5e4 = 0.00896 s
     assert t["attention"] == pytest.approx(0.00896)
-    assert t["overhead"] == pytest.approx(0.01 + 2 * 0.001)
+    assert t["cpu"] == pytest.approx(0.01 + 2 * 0.001)
+    assert t["launch"] == 0  # no eager launch cost in this profile
     assert t["allreduce"] == 0
     assert model.time(comp) == pytest.approx(0.044 + 0.00896 + 0.012)
     assert model.time(StepComposition()) == 0.0

@@ -16,6 +16,20 @@ next query tokens. One step of `Scheduler.schedule()` does, in this order:
 
 `update()` (in the base) then retires finished sequences and frees their blocks in the same
 step, so their seats are refilled by the very next `schedule()`.
+
+Two schedules, vLLM's `enable_chunked_prefill`:
+
+    True (mixed)     as above: the decodes go first and prefill chunks fill what is left of
+                     the budget, so a long prompt never stalls a running decode for long
+                     (with a small budget or long_prefill_token_threshold: chunked).
+    False            PREFILL-FIRST, vLLM V0's default schedule: a step that has prefill
+                     work runs prefills only: unfinished prefills of running sequences,
+                     then admissions, up to the token budget; every decode waits for a step
+                     without prefill work. TTFT falls (a prompt never shares its step with
+                     the decodes), and each running request's next token waits behind every
+                     prefill step: TPOT rises with the arrival rate. Unlike V0, which refuses
+                     a budget below max_model_len, a prompt longer than the budget is still
+                     split over consecutive steps (each of them prefill-only).
 """
 
 from __future__ import annotations
@@ -34,15 +48,45 @@ class Scheduler(SchedulerBase):
 
     batching = "continuous"
 
+    def __init__(self, *args, enable_chunked_prefill: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.enable_chunked_prefill = enable_chunked_prefill
+
     def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
         """ADVANCE running sequences (preempting the newest when the pool is short), then
         ADMIT waiting ones, unless this step preempted. `proposals`: this step's drafts by
-        seq_id (speculative decoding; they ride the rows they fit, scheduler/drafts.py)."""
+        seq_id (speculative decoding; they ride the rows they fit, scheduler/drafts.py).
+        With enable_chunked_prefill=False: `_schedule_prefill_first`."""
         out = self._begin_step()
+        if not self.enable_chunked_prefill:
+            return self._end_step(self._schedule_prefill_first(out, proposals))
         budget = self._advance(out, self.max_num_batched_tokens, proposals)
         if not out.preempted:
             self._admit(out, budget)
         return self._end_step(out)
+
+    def _schedule_prefill_first(self, out: SchedulerOutput,
+                                proposals: Mapping[int, Proposal]) -> SchedulerOutput:
+        """The prefill-first step (module docstring): first the running sequences whose
+        prefill is unfinished (more than one token left to compute), then ADMIT; if that
+        scheduled or preempted anything, the step is done and the decodes wait. Otherwise
+        a decode step: ADVANCE every running sequence, admitting nobody."""
+        budget = self.max_num_batched_tokens
+        for seq in self.policy.running_order(self.running):
+            if budget <= 0:
+                break
+            if (seq.status is not SequenceStatus.RUNNING
+                    or seq.num_tokens - seq.num_computed_tokens <= 1):
+                continue  # preempted earlier in this loop, or decoding: it waits
+            num_tokens = self._schedule_or_preempt(seq, budget, out)
+            if num_tokens is None:
+                break  # seq preempted itself: it was the last of the order
+            budget -= num_tokens
+        if not out.preempted:
+            self._admit(out, budget)
+        if not out.scheduled and not out.preempted:
+            self._advance(out, self.max_num_batched_tokens, proposals)
+        return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """ADMIT waiting sequences in the policy's order (fcfs: from the head).

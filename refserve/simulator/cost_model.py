@@ -24,8 +24,27 @@ and the step takes
       + 2 L [2 (p - 1) / p * T H b / link + latency]  (p > 1)       two ring all-reduces of
                                                                     the T x H activations
                                                                     per layer
-      + step_overhead + row_overhead * R                            scheduling, launches,
-                                                                    sampling
+      + launch                                                      kernel launches
+      + cpu                                                         the host's share
+
+    launch = 0 when the step replays a CUDA graph (every row a decode or a verify, at most
+             max_graph_batch rows, enforce_eager off: vLLM captures decode batches only),
+             else L * eager_layer_s: each layer's kernels launched one by one
+    cpu    = step_overhead + row_overhead * R + sample_row * N + front_end_row * N (served)
+             step_overhead: scheduling and the step's fixed host work; row_overhead:
+             preparing each scheduled row's inputs and block table; sample_row: sampling,
+             detokenizing and appending each token of the N rows that sample; front_end_row:
+             an HTTP server streaming each of those tokens (served runs only: an API server
+             process in vLLM V0 costs a third of the step, vLLM's v0.6.0 post)
+
+The host's work is added to the GPU's, not overlapped with it, as in an engine that
+schedules the next step after the last one returned (vLLM V0 without multi-step; a
+published figure from an engine that overlaps them fits a smaller cpu term).
+
+Precision. `dtype` is the activations' (and the attention's) dtype. `quantization="fp8"`
+(vLLM's --quantization fp8) stores the weights in one byte and runs the GEMMs at the GPU's
+fp8 peak; `kv_cache_dtype="fp8"` (--kv-cache-dtype fp8) stores K and V in one byte, which
+halves B_kv (and doubles the pool, engine.py); the attention still computes in `dtype`.
 
 Each `max` is one roofline: a kernel is bound by its compute or by its memory traffic,
 whichever takes longer. A decode step at batch 1 is all weight bytes (t ~ B_lin / bw); a
@@ -45,11 +64,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refserve.capacity import DTYPE_BYTES
+from refserve.capacity import DTYPE_BYTES, kv_cache_dtype_bytes, weight_dtype_bytes
 
 if TYPE_CHECKING:
     from refserve.scheduler import SchedulerOutput
+    from refserve.simulator.engine_overheads import EngineOverheads
     from refserve.simulator.hardware import GpuProfile, ModelShape
+
+# The largest decode batch vLLM captures as a CUDA graph (its default
+# max_seq_len_to_capture aside): 512 in vLLM V1's cudagraph_capture_sizes (256 in V0).
+MAX_GRAPH_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -62,10 +86,13 @@ class StepComposition:
     context_tokens: int = 0
     attention_pairs: int = 0
 
+    num_sampling_rows: int = 0   # N: rows that sample (l > 0)
+    num_prefill_rows: int = 0    # rows with query tokens that need no logits (q > l)
+
     @classmethod
     def from_rows(cls, rows) -> StepComposition:
         """rows: (q query tokens, c context length after the step, l logits rows) each."""
-        r = t = s = c = a = 0
+        r = t = s = c = a = n = p = 0
         for q, ctx, logits in rows:
             if not 1 <= q <= ctx or not 0 <= logits <= q:
                 raise ValueError(f"a row needs 1 <= q <= c and 0 <= l <= q, got "
@@ -75,7 +102,9 @@ class StepComposition:
             s += logits
             c += ctx
             a += q * ctx - q * (q - 1) // 2
-        return cls(r, t, s, c, a)
+            n += logits > 0
+            p += q > logits
+        return cls(r, t, s, c, a, n, p)
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepComposition:
@@ -94,15 +123,21 @@ class Efficiencies:
     step_overhead_s: float
     row_overhead_s: float
     kv_bandwidth: float | None = None  # e_kv; None: the same as bandwidth
+    sample_row_s: float = 0.0      # host seconds per sampling row (sampling, detokenizing)
+    front_end_row_s: float = 0.0   # an HTTP front end's seconds per streamed token
+    eager_layer_s: float = 0.0     # launch seconds per layer of a step without a CUDA graph
 
     @property
     def kv(self) -> float:
         return self.bandwidth if self.kv_bandwidth is None else self.kv_bandwidth
 
     @classmethod
-    def of(cls, gpu: GpuProfile) -> Efficiencies:
-        return cls(gpu.flops_efficiency, gpu.bandwidth_efficiency, gpu.attention_efficiency,
-                   gpu.step_overhead_s, gpu.row_overhead_s)
+    def of(cls, gpu: GpuProfile, engine: EngineOverheads | None = None) -> Efficiencies:
+        """The GPU's efficiencies; the host terms of `engine` (engines.toml) when given,
+        else the GPU profile's own two overheads."""
+        eff = cls(gpu.flops_efficiency, gpu.bandwidth_efficiency, gpu.attention_efficiency,
+                  gpu.step_overhead_s, gpu.row_overhead_s)
+        return eff if engine is None else engine.apply(eff)
 
 
 class CostModel:
@@ -113,7 +148,10 @@ class CostModel:
     """
 
     def __init__(self, model: ModelShape, gpu: GpuProfile, dtype: str,
-                 tensor_parallel_size: int = 1, efficiencies: Efficiencies | None = None):
+                 tensor_parallel_size: int = 1, efficiencies: Efficiencies | None = None, *,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 enforce_eager: bool = False, served: bool = False,
+                 max_graph_batch: int = MAX_GRAPH_BATCH):
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -121,15 +159,22 @@ class CostModel:
         self.model, self.gpu, self.dtype = model, gpu, dtype
         self.tp = tensor_parallel_size
         self.eff = efficiencies or Efficiencies.of(gpu)
-        self.peak = gpu.peak(dtype)
+        self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
+        self.enforce_eager, self.served = enforce_eager, served
+        self.max_graph_batch = max_graph_batch
+        b_w = weight_dtype_bytes(dtype, quantization)   # refuses an unknown quantization
+        b_kv = kv_cache_dtype_bytes(dtype, kv_cache_dtype)
+        self.gemm_dtype = "fp8" if quantization == "fp8" else dtype
+        self.peak = gpu.peak(self.gemm_dtype)   # the GEMMs'
+        self.attention_peak = gpu.peak(dtype)   # attention computes in the activations' dtype
         b = DTYPE_BYTES[dtype]
         p = self.tp
         # Per-token coefficients of the formulas, per GPU.
         self.flops_per_token = 2 * model.layer_params / p
         self.flops_per_logit = 2 * model.lm_head_params / p
-        self.weight_bytes = b * (model.layer_params + model.lm_head_params) / p
+        self.weight_bytes = b_w * (model.layer_params + model.lm_head_params) / p
         self.flops_per_pair = 4 * model.num_layers * model.attention_width / p
-        self.kv_bytes_per_token = model.kv_bytes_per_token(b, p)
+        self.kv_bytes_per_token = model.kv_bytes_per_token(b_kv, p)
         self.allreduce_bytes_per_token = model.hidden_size * b
         self.num_allreduces = 2 * model.num_layers if p > 1 else 0
 
@@ -148,6 +193,22 @@ class CostModel:
                                 * comp.num_tokens * self.allreduce_bytes_per_token),
         }
 
+    def graphed(self, comp: StepComposition) -> bool:
+        """Whether the step replays a CUDA graph: decode / verify rows only (every query
+        token needs logits), at most max_graph_batch of them, enforce_eager off."""
+        return (not self.enforce_eager and comp.num_prefill_rows == 0
+                and comp.num_rows <= self.max_graph_batch)
+
+    def host_terms(self, comp: StepComposition) -> dict[str, float]:
+        """The launch and cpu terms (module docstring), in seconds."""
+        e = self.eff
+        n = comp.num_sampling_rows
+        return {
+            "launch": 0.0 if self.graphed(comp) else self.model.num_layers * e.eager_layer_s,
+            "cpu": (e.step_overhead_s + e.row_overhead_s * comp.num_rows + e.sample_row_s * n
+                    + (e.front_end_row_s * n if self.served else 0.0)),
+        }
+
     def terms(self, comp: StepComposition) -> dict[str, float]:
         """Seconds of each term of the step time; their sum is `time(comp)`."""
         w = self.work(comp)
@@ -160,10 +221,10 @@ class CostModel:
                     + self.num_allreduces * gpu.allreduce_latency_s)
         return {
             "linear": max(w["linear_flops"] / compute, w["linear_bytes"] / memory),
-            "attention": max(w["attention_flops"] / (self.peak * e.attention),
+            "attention": max(w["attention_flops"] / (self.attention_peak * e.attention),
                              w["kv_bytes"] / (gpu.memory_bandwidth * e.kv)),
             "allreduce": comm,
-            "overhead": e.step_overhead_s + e.row_overhead_s * comp.num_rows,
+            **self.host_terms(comp),
         }
 
     def time(self, comp: StepComposition) -> float:
@@ -175,18 +236,32 @@ class CostModel:
         """Seconds the scheduler step `out` takes on this hardware."""
         return self.time(StepComposition.of(out))
 
-    def with_efficiencies(self, eff: Efficiencies) -> CostModel:
-        return CostModel(self.model, self.gpu, self.dtype, self.tp, eff)
+    def with_efficiencies(self, eff: Efficiencies, gpu: GpuProfile | None = None
+                          ) -> CostModel:
+        """The same model, precision and engine settings with other efficiencies (and,
+        given one, another GPU profile)."""
+        return CostModel(self.model, gpu or self.gpu, self.dtype, self.tp, eff,
+                         quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+                         enforce_eager=self.enforce_eager, served=self.served,
+                         max_graph_batch=self.max_graph_batch)
 
     def describe(self) -> str:
         e = self.eff
         kv = "" if e.kv_bandwidth is None else f" (KV gather {e.kv_bandwidth:.1%})"
-        return (f"cost model: {self.tp} x {self.gpu.name}, {self.dtype}; GEMM "
+        precision = "".join([f", weights {self.quantization}" if self.quantization else "",
+                             f", KV cache {self.kv_cache_dtype}"
+                             if self.kv_cache_dtype != "auto" else ""])
+        return (f"cost model: {self.tp} x {self.gpu.name}, {self.dtype}{precision}; GEMM "
                 f"{e.flops:.0%} of {self.peak / 1e12:.3g} TFLOP/s, bandwidth {e.bandwidth:.0%}"
                 f"{kv} of {self.gpu.memory_bandwidth / 1e9:.0f} GB/s, attention "
-                f"{e.attention:.0%}, "
-                f"overhead {e.step_overhead_s * 1e3:.2f} ms + {e.row_overhead_s * 1e6:.1f} "
-                f"us/row")
+                f"{e.attention:.0%}, all-reduce {self.gpu.allreduce_latency_s * 1e6:.1f} us; "
+                f"host {e.step_overhead_s * 1e3:.2f} ms/step + {e.row_overhead_s * 1e6:.1f} "
+                f"us/row + {e.sample_row_s * 1e6:.1f} us/sampled row"
+                + (f" + {e.front_end_row_s * 1e6:.1f} us/streamed token" if self.served
+                   else "")
+                + (", eager (no CUDA graphs)" if self.enforce_eager else
+                   f", CUDA graphs for decode batches <= {self.max_graph_batch}")
+                + f", eager launch {e.eager_layer_s * 1e6:.1f} us/layer")
 
 
 # ---- fitting the efficiencies ------------------------------------------------------------
@@ -241,7 +316,9 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50,
     b_kv = np.array([w["kv_bytes"] / bw for w in works])
     rows = np.array([c.num_rows for c, _ in samples], dtype=float)
     t = np.array([s for _, s in samples])
-    comm = np.array([cost_model.terms(c)["allreduce"] for c, _ in samples])
+    # What this fit leaves as it is: the all-reduces, the launches and the host terms
+    # other than o_step + o_row R.
+    comm = np.array([_unfitted_seconds(cost_model, c) for c, _ in samples])
     theta = np.array([1 / e.flops, 1 / e.attention, 1 / e.bandwidth, e.step_overhead_s,
                       e.row_overhead_s, 1 / e.kv])
     marks, iterations = None, 0
@@ -269,6 +346,12 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50,
     rel = (predicted - t) / t
     return FitResult(model, len(samples), float(np.sqrt(np.mean(rel**2))),
                      float(np.max(np.abs(rel))), iterations)
+
+
+def _unfitted_seconds(cost_model: CostModel, comp: StepComposition) -> float:
+    terms, e = cost_model.terms(comp), cost_model.eff
+    return (terms["allreduce"] + terms["launch"] + terms["cpu"] - e.step_overhead_s
+            - e.row_overhead_s * comp.num_rows)
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, prior: np.ndarray,

@@ -85,7 +85,7 @@ _NUMBERS = [name for name, f in _FIELDS.items()
             if f.type in ("int", "float") and name != "key"]
 
 
-def _read_table_file(path: Path) -> dict:
+def read_table_file(path: Path) -> dict:
     """A TOML or JSON file of profiles: {key: {field: value, ..., "source": {...}}}."""
     if not path.is_file():
         raise ValueError(f"hardware file {path} does not exist")
@@ -115,13 +115,13 @@ def _read_table_file(path: Path) -> dict:
 
 
 def builtin_gpus() -> dict[str, dict]:
-    return _read_table_file(PROFILES_FILE)
+    return read_table_file(PROFILES_FILE)
 
 
 def gpu_names(hardware_file: Path | None = None) -> list[str]:
     names = list(builtin_gpus())
     if hardware_file is not None:
-        names += [k for k in _read_table_file(Path(hardware_file)) if k not in names]
+        names += [k for k in read_table_file(Path(hardware_file)) if k not in names]
     return names + [THIS_MACHINE]
 
 
@@ -163,7 +163,7 @@ def load_gpu(key: str, hardware_file: Path | None = None,
     tables = builtin_gpus()
     origin = "built-in"
     if hardware_file is not None:
-        for name, table in _read_table_file(Path(hardware_file)).items():
+        for name, table in read_table_file(Path(hardware_file)).items():
             tables[name] = {**tables.get(name, {}), **table}
             if name == key:
                 origin = str(hardware_file)
@@ -291,4 +291,8 @@ def load_model(model: str) -> ModelShape:
 # Hugging Face ids of the presets, for the `vllm serve` line `plan` prints.
 HF_IDS = {"llama-3-8b": "meta-llama/Meta-Llama-3-8B-Instruct",
           "llama-3-70b": "meta-llama/Meta-Llama-3-70B-Instruct",
+          "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+          "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+          "llama-2-7b": "meta-llama/Llama-2-7b-chat-hf",
+          "llama-2-70b": "meta-llama/Llama-2-70b-chat-hf",
           "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
