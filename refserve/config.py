@@ -12,7 +12,7 @@
 | max_num_seqs | seats in the running batch (continuous-batching slot cap) |
 | max_num_batched_tokens | token budget of one step (chunked prefill); None: the backend's |
 | long_prefill_token_threshold | most tokens one prefill takes per step (0: no cap; None: backend) |
-| enable_chunked_prefill | True: decodes and prefill chunks share a step; False: prefill-first, as vLLM V0 (a step with prefill work runs prefills only, decodes wait) |
+| enable_chunked_prefill | False: prefill-first steps, decodes wait (vLLM V0's schedule) |
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
 | prefix_caching_policy | "hash" (vLLM's hash chain, default) or "radix" (SGLang's tree) |
 | scheduling_policy | waiting-queue order: "fcfs", "lpm" (longest cached prefix), "priority" |
