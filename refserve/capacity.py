@@ -322,13 +322,18 @@ def _require_positive_int(name: str, value: object) -> None:
 
 
 def capacity_report(config: dict, memory_bytes: int, context: int, block_size: int = 16,
-                    dtype_bytes: int = 2, gpu_memory_utilization: float = 0.9) -> dict:
-    """All the numbers the CLI prints, as a dict (handy for tests and notebooks)."""
+                    dtype_bytes: int = 2, gpu_memory_utilization: float = 0.9, *,
+                    weight_bytes: int | None = None, kv_bytes: int | None = None) -> dict:
+    """All the numbers the CLI prints, as a dict (handy for tests and notebooks).
+    `weight_bytes` / `kv_bytes`: bytes per weight / per K or V element when they differ
+    from `dtype_bytes` (fp8 weights: --quantization fp8; an fp8 KV cache:
+    --kv-cache-dtype fp8, which halves KV per token against 16-bit and so doubles the
+    pool's tokens and the sequences it holds)."""
     shape = model_shape(config)
     per_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"],
-                                   shape["head_dim"], dtype_bytes)
+                                   shape["head_dim"], kv_bytes or dtype_bytes)
     per_block = kv_bytes_per_block(per_token, block_size)
-    weights = weights_bytes(config, dtype_bytes)
+    weights = weights_bytes(config, weight_bytes or dtype_bytes)
     num_blocks = num_blocks_for_memory(memory_bytes, gpu_memory_utilization, weights,
                                        per_block)
     blocks_per_seq = blocks_for_tokens(context, block_size)

@@ -151,7 +151,7 @@ class CostModel:
                  tensor_parallel_size: int = 1, efficiencies: Efficiencies | None = None, *,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool = False, served: bool = False,
-                 max_graph_batch: int = MAX_GRAPH_BATCH):
+                 max_graph_batch: int = MAX_GRAPH_BATCH, kv_read_per_query_head: bool = False):
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -174,7 +174,10 @@ class CostModel:
         self.flops_per_logit = 2 * model.lm_head_params / p
         self.weight_bytes = b_w * (model.layer_params + model.lm_head_params) / p
         self.flops_per_pair = 4 * model.num_layers * model.attention_width / p
-        self.kv_bytes_per_token = model.kv_bytes_per_token(b_kv, p)
+        self.kv_read_per_query_head = kv_read_per_query_head
+        # An engine without a grouped-query kernel reads each KV head once per query head.
+        group = model.num_heads // model.num_kv_heads if kv_read_per_query_head else 1
+        self.kv_bytes_per_token = model.kv_bytes_per_token(b_kv, p) * group
         self.allreduce_bytes_per_token = model.hidden_size * b
         self.num_allreduces = 2 * model.num_layers if p > 1 else 0
 
@@ -227,6 +230,44 @@ class CostModel:
             **self.host_terms(comp),
         }
 
+    def features(self, comp: StepComposition) -> tuple[float, dict[str, float]]:
+        """The step time as `constant + sum(coefficient * value)`, linear in the fitted
+        numbers once each roofline's side is chosen (at the current efficiencies):
+
+            value of "flops", "bandwidth", "attention", "kv_bandwidth": 1 / efficiency
+            value of "allreduce_latency_s" and of each host term: seconds
+
+        so that `time(comp) == constant + sum(coef[k] * value[k])` (`fitted_values`). The
+        constant is the all-reduces' bytes over the link."""
+        w, e, gpu = self.work(comp), self.eff, self.gpu
+        bw = gpu.memory_bandwidth
+        f_lin, b_lin = w["linear_flops"] / self.peak, w["linear_bytes"] / bw
+        f_att, b_kv = w["attention_flops"] / self.attention_peak, w["kv_bytes"] / bw
+        lin_compute = f_lin / e.flops >= b_lin / e.bandwidth
+        att_compute = f_att / e.attention >= b_kv / e.kv
+        coef = dict.fromkeys(("flops", "bandwidth", "attention", "kv_bandwidth"), 0.0)
+        coef["flops" if lin_compute else "bandwidth"] += f_lin if lin_compute else b_lin
+        kv_key = "bandwidth" if e.kv_bandwidth is None else "kv_bandwidth"
+        coef["attention" if att_compute else kv_key] += f_att if att_compute else b_kv
+        n = comp.num_sampling_rows
+        coef.update(allreduce_latency_s=float(self.num_allreduces), step_overhead_s=1.0,
+                    row_overhead_s=float(comp.num_rows), sample_row_s=float(n),
+                    front_end_row_s=float(n) if self.served else 0.0,
+                    eager_layer_s=0.0 if self.graphed(comp) else float(self.model.num_layers))
+        constant = (w["allreduce_bytes"] / gpu.interconnect_bandwidth if self.num_allreduces
+                    else 0.0)
+        return constant, coef
+
+    def fitted_values(self) -> dict[str, float]:
+        """The values `features` multiplies (1 / efficiency, or seconds)."""
+        e = self.eff
+        return {"flops": 1 / e.flops, "bandwidth": 1 / e.bandwidth,
+                "attention": 1 / e.attention, "kv_bandwidth": 1 / e.kv,
+                "allreduce_latency_s": self.gpu.allreduce_latency_s,
+                **{k: getattr(e, k) for k in ("step_overhead_s", "row_overhead_s",
+                                              "sample_row_s", "front_end_row_s",
+                                              "eager_layer_s")}}
+
     def time(self, comp: StepComposition) -> float:
         if comp.num_rows == 0:
             return 0.0
@@ -243,7 +284,8 @@ class CostModel:
         return CostModel(self.model, gpu or self.gpu, self.dtype, self.tp, eff,
                          quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                          enforce_eager=self.enforce_eager, served=self.served,
-                         max_graph_batch=self.max_graph_batch)
+                         max_graph_batch=self.max_graph_batch,
+                         kv_read_per_query_head=self.kv_read_per_query_head)
 
     def describe(self) -> str:
         e = self.eff

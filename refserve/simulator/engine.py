@@ -192,12 +192,16 @@ class SimulatedEngine:
         self.cost_model = cost_model or CostModel(
             model, gpu, self.dtype, tensor_parallel_size, Efficiencies.of(gpu, engine),
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-            enforce_eager=config.enforce_eager, served=served)
+            enforce_eager=config.enforce_eager, served=served,
+            kv_read_per_query_head=engine is not None and engine.kv_read_per_query_head)
         if spec is not None:
             outputs = SimulatedSpeculation(spec, self.cost_model, self.max_model_len,
                                            config.max_num_batched_tokens, spec_alpha,
                                            spec_seed)
         self.outputs = outputs or SyntheticOutputs()
+        # A served run's HTTP front end holds each request this long before the engine
+        # sees it (receiving, parsing, tokenizing): part of its TTFT.
+        self.front_end_request_s = engine.front_end_request_s if served and engine else 0.0
         self.clock = 0.0
         self.metrics: dict[str, RequestMetrics] = {}
 
@@ -248,6 +252,7 @@ class SimulatedEngine:
         check_invariants  kv_cache_manager.check_invariants() after every step (tests)
         """
         requests = sorted(requests, key=lambda r: r.arrival_time)
+        delay = self.front_end_request_s
         self.check_requests(requests)
         sched, kv = self.scheduler, self.kv_cache_manager
         step_time, outputs = self.cost_model.step_time, self.outputs
@@ -265,9 +270,9 @@ class SimulatedEngine:
             bar = tqdm(total=len(requests), unit="req", desc="simulating", mininterval=0.5)
         peak, i, n, stopped = 0, 0, len(requests), False
         wall0 = time.perf_counter()
-        now = self.clock = requests[0].arrival_time if requests else 0.0
+        now = self.clock = requests[0].arrival_time + delay if requests else 0.0
         while True:
-            while i < n and requests[i].arrival_time <= now:
+            while i < n and requests[i].arrival_time + delay <= now:
                 r = requests[i]
                 seq = Sequence(r.request_id, r.prompt_token_ids,
                                SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True),
@@ -283,7 +288,7 @@ class SimulatedEngine:
             if not sched.has_unfinished():
                 if i == n:
                     break
-                now = requests[i].arrival_time  # idle until the next arrival
+                now = requests[i].arrival_time + delay  # idle until the next arrival
                 continue
             proposals, draft_seconds = outputs.propose(sched.running, request_of)
             out = sched.schedule(proposals)  # raises if it could schedule nothing
