@@ -72,8 +72,8 @@ def test_prefill_first_flag_and_static_batching_refusal():
         EngineConfig(batching="static", enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="must be True or False"):
         EngineConfig(enable_chunked_prefill="no")
-    from refserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
     from refserve.entrypoints.cli_common import ArgumentParser
+    from refserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
     p = ArgumentParser()
     add_engine_args(p)
