@@ -121,3 +121,29 @@ def test_simulator_workloads_use_the_generators(tmp_path):
     assert {(r.num_prompt_tokens, r.num_output_tokens) for r in reqs} == {(7, 3), (9, 4)}
     with pytest.raises(ValueError, match="needs a dataset_path"):
         make_workload("dataset", 4, 2.0, vocab_size=1000, max_model_len=4096)
+
+
+def test_loadtest_sends_the_same_workload_descriptions(tmp_path):
+    """bench loadtest's --workload random / sharegpt / --dataset-path: the generators'
+    lengths as token-id prompts and max_tokens."""
+    import argparse
+
+    from refserve.bench import loadtest
+
+    p = argparse.ArgumentParser()
+    loadtest.add_arguments(p)
+    args = p.parse_args(["--workload", "random", "--input-len", "50", "--output-len", "6",
+                         "--range-ratio", "0.2", "--rates", "inf"])
+    reqs = loadtest.length_requests(args, 200, seed=3)
+    want_p, want_o = ds.random_lengths(np.random.default_rng(3), 200, 50, 6, 0.2)
+    assert [len(r["prompt"]) for r in reqs] == want_p.tolist()
+    assert [r["max_tokens"] for r in reqs] == want_o.tolist()
+    assert all(loadtest.PROMPT_IDS[0] <= t < loadtest.PROMPT_IDS[1]
+               for r in reqs for t in r["prompt"])
+    assert args.rates == [math.inf]
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"input_lens": [5], "output_lens": [2]}))
+    args = p.parse_args(["--dataset-path", str(result)])
+    assert [(len(r["prompt"]), r["max_tokens"]) for r in
+            loadtest.length_requests(args, 2, 0)] == [(5, 2), (5, 2)]
+    assert loadtest.length_requests(p.parse_args([]), 2, 0) is None  # the corpus default

@@ -16,7 +16,7 @@ from refserve.entrypoints.cli_common import (
 )
 
 SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
-             "roofline", "loadtest", "sim-fidelity", "preemption")
+             "roofline", "loadtest", "sim-fidelity", "sim-world", "preemption")
 # The scenarios that step an engine in this process: --trace records their timelines.
 TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
           "preemption", "sim-fidelity")
