@@ -123,7 +123,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "refserve.config", "refserve.speculative_config", "refserve.capacity",
         "refserve.sampling_params", "refserve.sampling", "refserve.logits_processors",
         "refserve.logprobs", "refserve.detokenizer", "refserve.inputs", "refserve.metrics",
-        "refserve.outputs", "refserve.sequence")),
+        "refserve.outputs", "refserve.sequence", "refserve.benchmark_datasets")),
     ("kv cache", ("refserve.kv_cache",)),
     ("scheduler", ("refserve.scheduler",)),
     ("spec-decode math", ("refserve.spec_decode",)),

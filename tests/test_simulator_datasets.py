@@ -130,7 +130,7 @@ def test_loadtest_sends_the_same_workload_descriptions(tmp_path):
 
     from refserve.bench import loadtest
 
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     loadtest.add_arguments(p)
     args = p.parse_args(["--workload", "random", "--input-len", "50", "--output-len", "6",
                          "--range-ratio", "0.2", "--rates", "inf"])

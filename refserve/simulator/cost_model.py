@@ -136,7 +136,8 @@ class Efficiencies:
         """The GPU's efficiencies; the host terms of `engine` (engines.toml) when given,
         else the GPU profile's own two overheads."""
         eff = cls(gpu.flops_efficiency, gpu.bandwidth_efficiency, gpu.attention_efficiency,
-                  gpu.step_overhead_s, gpu.row_overhead_s)
+                  gpu.step_overhead_s, gpu.row_overhead_s,
+                  kv_bandwidth=gpu.kv_bandwidth_efficiency or None)
         return eff if engine is None else engine.apply(eff)
 
 

@@ -52,6 +52,9 @@ class GpuProfile:
     # "gpu": the KV pool is sized by gpu_memory_utilization of memory_bytes, like vLLM;
     # "host": by kv_cache_memory_bytes, like refserve's NumPy backend.
     kind: str = "gpu"
+    # e_kv: the fraction of the bandwidth the paged KV gather reaches, when it differs from
+    # the weight read's (0: the same as bandwidth_efficiency)
+    kv_bandwidth_efficiency: float = 0.0
     source: dict[str, str] = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
@@ -75,8 +78,10 @@ class GpuProfile:
             f"  ${self.usd_per_hour:.2f}/hour ({src.get('usd_per_hour', '')})",
             f"  efficiencies: GEMM {self.flops_efficiency:.0%}, bandwidth "
             f"{self.bandwidth_efficiency:.0%}, attention {self.attention_efficiency:.0%}, "
-            f"overhead {self.step_overhead_s * 1e3:.2f} ms/step + "
-            f"{self.row_overhead_s * 1e6:.1f} us/row ({src.get('efficiencies', '')})",
+            + (f"overhead {self.step_overhead_s * 1e3:.2f} ms/step + "
+               f"{self.row_overhead_s * 1e6:.1f} us/row" if self.kind == "host" else
+               "host terms from the engine profile (engines.toml)")
+            + f" ({src.get('efficiencies', '')})",
         ]
 
 
@@ -143,6 +148,10 @@ def _profile(key: str, table: dict, origin: str) -> GpuProfile:
     for name in ("memory_bytes", "memory_bandwidth"):
         if not values[name] > 0:
             raise ValueError(f"GPU profile {key!r}: {name} must be > 0")
+    kv = values.get("kv_bandwidth_efficiency", 0.0)
+    if not 0 <= kv <= 1:
+        raise ValueError(f"GPU profile {key!r}: kv_bandwidth_efficiency={kv!r} must be in "
+                         "[0, 1] (0: the same as bandwidth_efficiency)")
     for name in ("flops_efficiency", "bandwidth_efficiency", "attention_efficiency"):
         if not 0 < values[name] <= 1:
             raise ValueError(f"GPU profile {key!r}: {name}={values[name]!r} must be in (0, 1]")
@@ -191,7 +200,7 @@ def apply_overrides(profile: GpuProfile, overrides: dict[str, float] | None) -> 
             values[name] = value
             values["source"][name] = "given by the user"
             if name in ("flops_efficiency", "bandwidth_efficiency", "attention_efficiency",
-                        "step_overhead_s", "row_overhead_s"):
+                        "kv_bandwidth_efficiency", "step_overhead_s", "row_overhead_s"):
                 values["source"]["efficiencies"] = "given by the user"
         else:
             raise ValueError(f"cannot override {name!r}: fields are {', '.join(_NUMBERS)} "

@@ -16,7 +16,9 @@ schedule of the run fixed, each step time is linear in the fitted values
 
     T_i(theta) = sum_k w_ik (c_k + x_k . theta)        x_k: step k's coefficients
 
-`fit` alternates (as `cost_model.fit` does for step profiles): simulate every row with the
+The fitted values: per GPU, the GEMM, weight-read, KV-gather and attention efficiencies
+and the all-reduce latency; per engine, the host terms (engines.toml). `fit` alternates (as
+`cost_model.fit` does for step profiles): simulate every row with the
 current constants, record each metric's steps and weights, solve
 
     min_theta  sum_i ((T_i(theta) - T_i^published) / T_i^published)^2
@@ -167,6 +169,8 @@ class Constants:
             out[("gpu", key, "flops")] = 1 / g.flops_efficiency
             out[("gpu", key, "bandwidth")] = 1 / g.bandwidth_efficiency
             out[("gpu", key, "attention")] = 1 / g.attention_efficiency
+            out[("gpu", key, "kv_bandwidth")] = 1 / (g.kv_bandwidth_efficiency
+                                                     or g.bandwidth_efficiency)
             out[("gpu", key, "allreduce_latency_s")] = g.allreduce_latency_s
         for key, e in self.engines.items():
             for name in HOST_TERMS:
@@ -180,6 +184,7 @@ class Constants:
                 "flops_efficiency": min(1.0, 1 / values[("gpu", key, "flops")]),
                 "bandwidth_efficiency": min(1.0, 1 / values[("gpu", key, "bandwidth")]),
                 "attention_efficiency": min(1.0, 1 / values[("gpu", key, "attention")]),
+                "kv_bandwidth_efficiency": min(1.0, 1 / values[("gpu", key, "kv_bandwidth")]),
                 "allreduce_latency_s": values[("gpu", key, "allreduce_latency_s")]})
         engines = {key: dataclasses.replace(e, **{n: values[("engine", key, n)]
                                                   for n in HOST_TERMS})
@@ -321,8 +326,6 @@ def _linear_rows(replays: list[Replay], names: list[tuple]) -> tuple[np.ndarray,
             constant, coef = r.cost_model.features(comp)
             c[i] += w * constant
             for name, value in coef.items():
-                if name == "kv_bandwidth":
-                    continue  # the KV gather shares the bandwidth efficiency
                 scope = ("engine", m.engine_profile) if name in HOST_TERMS else ("gpu", m.gpu)
                 x[i, index[(*scope, name)]] += w * value
     return x, c
@@ -373,6 +376,8 @@ def fit(measurements: list[Measurement], constants: Constants | None = None,
     for m in measurements:  # load every profile the rows name
         constants.gpu(m.gpu)
         constants.engine(m.engine_profile)
+    # The KV gather gets its own efficiency, starting at the weight read's.
+    constants = constants.with_values(constants.values())
     names = sorted(constants.values())
     for k in range(rounds):
         replays = [replay(m, constants) for m in measurements]
