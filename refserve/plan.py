@@ -160,6 +160,25 @@ def _start(values: list, default):
     return default if default in values else values[len(values) // 2]
 
 
+def _first_that_fits(planner, base, tp: int, precision: dict, args):
+    """The search's start at this degree: the default precision, or else the first of the
+    searched ones whose weights and pool fit (fp8 weights can fit a model that 16-bit
+    weights do not). Returns (candidate, None) or (None, why the default does not fit)."""
+    from refserve.simulator.search import Candidate
+
+    order = [precision] + [{"quantization": q, "kv_cache_dtype": k}
+                           for q in args.quantization for k in args.kv_cache_dtype]
+    why = None
+    for p in order:
+        cand = Candidate(base, tp, **p)
+        try:
+            planner.engine(cand)
+            return cand, None
+        except (ValueError, NotImplementedError) as e:
+            why = why or " ".join(str(e).split())
+    return None, why
+
+
 def vllm_command(model, cand, max_model_len: int, dtype: str) -> str:
     """The `vllm serve` line of a planned candidate: only flags of vLLM's documented CLI
     (`vllm serve --help`; tests/test_simulator_plan.py parses it with vLLM's own parser
@@ -184,7 +203,7 @@ def vllm_command(model, cand, max_model_len: int, dtype: str) -> str:
 
 
 def run(args) -> int:
-    from refserve.simulator.search import SLO, Candidate, Planner
+    from refserve.simulator.search import SLO, Planner
 
     _check(args)
     model, gpu = load_hardware(args)
@@ -230,11 +249,9 @@ def run(args) -> int:
     t0 = time.perf_counter()
     rows = []
     for tp in args.tensor_parallel_size:
-        start = Candidate(base, tp, **precision)
-        try:
-            engine = planner.engine(start)
-        except (ValueError, NotImplementedError) as e:
-            print(f"tensor parallel {tp}: does not fit: {' '.join(str(e).split())}")
+        start, why = _first_that_fits(planner, base, tp, precision, args)
+        if start is None:
+            print(f"tensor parallel {tp}: does not fit: {why}")
             continue
         best, best_ev, tried = planner.search(start, knobs)
         if best_ev is None:

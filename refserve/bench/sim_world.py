@@ -187,8 +187,9 @@ def plan_check(args) -> list[dict]:
 
         planner = Planner(model, gpu, requests, slo, num_requests=300, engine_overheads=engine,
                           served=True)
+        fp8_weights = "fp8" if "fp8" in gpu.peak_flops else None  # an A100 has no fp8
         base = Candidate(EngineConfig(max_model_len=4096, enable_prefix_caching=False), tp,
-                         quantization="fp8", kv_cache_dtype="fp8")
+                         quantization=fp8_weights, kv_cache_dtype="fp8")
         best, ev, _ = planner.search(base, {"max_num_seqs": [128, 256, 512]})
         planned = planner.planned_rate(best, ev.rate, 0.1, (11, 12)) if ev else None
         checks = [planner.evaluate(best, planned.rate, seed) for seed in (21, 22)] \
@@ -201,7 +202,8 @@ def plan_check(args) -> list[dict]:
                "ttft_p99_s": [c.ttft_p99 for c in checks],
                "tpot_p99_s": [c.tpot_p99 for c in checks]}
         out.append(row)
-        print(f"plan on {row['hardware']} ({model_key}, fp8): {row['planned_rate']} req/s "
+        print(f"plan on {row['hardware']} ({model_key}, KV fp8"
+              f"{', weights fp8' if fp8_weights else ''}): {row['planned_rate']} req/s "
               f"with max_num_seqs {row['max_num_seqs']}; replayed on seeds 21, 22: "
               f"{'within' if row['replayed_ok'] else 'OUTSIDE'} p99 TTFT <= {ttft} s, "
               f"TPOT <= {tpot * 1e3:g} ms")
