@@ -17,11 +17,10 @@ from refserve.simulator.world import (
     HELD_OUT,
     METRIC_UNITS,
     Constants,
-    _linear_rows,
     load_measurements,
     replay,
-    solve,
 )
+from refserve.simulator.world_fit import _linear_rows, solve
 
 ROWS = load_measurements()
 

@@ -90,7 +90,8 @@ def summarize_errors(rows: list[dict], key: str = "error") -> dict:
 
 
 def run(args) -> dict:
-    from refserve.simulator.world import Constants, fit, load_measurements, replay
+    from refserve.simulator.world import Constants, load_measurements, replay
+    from refserve.simulator.world_fit import fit
 
     measurements = load_measurements()
     if args.quick:
