@@ -39,7 +39,6 @@ from refserve.simulate import (
     usd_per_million,
     workload_name,
 )
-from refserve.simulator.engine_overheads import load_engine
 
 VLLM_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "block_size": 16,
                  "gpu_memory_utilization": 0.9, "enable_prefix_caching": True}
@@ -239,7 +238,7 @@ def run(args) -> int:
 
     planner = Planner(model, gpu, requests, slo, num_requests=args.num_requests,
                       seed=args.seed, tolerance=args.tolerance, on_simulation=on_simulation,
-                      engine_overheads=load_engine(args.engine), served=args.served)
+                      engine_overheads=args.engine, served=args.served)
     knobs = {k: getattr(args, k) for k in (*VLLM_DEFAULTS, *PRECISION_DEFAULTS)}
     precision = {k: _start(getattr(args, k), d) for k, d in PRECISION_DEFAULTS.items()}
     print(f"plan: {model.name} on {gpu.name}; "

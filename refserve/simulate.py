@@ -237,14 +237,12 @@ def build_engine(model, gpu, config: EngineConfig, tensor_parallel_size: int,
                  kv_cache_dtype: str = "auto", engine: str = DEFAULT_ENGINE,
                  served: bool = False):
     from refserve.simulator.engine import SimulatedEngine
-    from refserve.simulator.engine_overheads import load_engine
 
     try:
         return SimulatedEngine(model, gpu, config, tensor_parallel_size=tensor_parallel_size,
                                spec_alpha=spec_alpha, spec_seed=seed,
                                quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                               engine=None if gpu.kind == "host" else load_engine(engine),
-                               served=served)
+                               engine=engine, served=served)
     except (ValueError, NotImplementedError) as e:
         raise CLIError(str(e)) from None
 

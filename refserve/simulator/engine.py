@@ -44,7 +44,7 @@ from refserve.sampling_params import SamplingParams
 from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import Sequence
 from refserve.simulator.cost_model import CostModel, Efficiencies
-from refserve.simulator.engine_overheads import EngineOverheads
+from refserve.simulator.engine_overheads import DEFAULT_ENGINE, EngineOverheads, load_engine
 from refserve.simulator.hardware import GpuProfile, ModelShape
 from refserve.simulator.outputs import SimulatedSpeculation, SyntheticOutputs, draft_model_shape
 from refserve.simulator.workload import SimRequest
@@ -137,12 +137,14 @@ class SimulatedEngine:
                  *, tensor_parallel_size: int = 1, cost_model=None,
                  outputs: SyntheticOutputs | None = None, spec_alpha: float = 0.7,
                  spec_seed: int = 0, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", engine: EngineOverheads | None = None,
+                 kv_cache_dtype: str = "auto",
+                 engine: EngineOverheads | str | None = DEFAULT_ENGINE,
                  served: bool = False, **kwargs) -> None:
         """`config`: the real engine's EngineConfig (vLLM's knob names); or its fields as
         keywords. `cost_model`: anything with `step_time(out) -> seconds` (default: the
         roofline CostModel of this model on tensor_parallel_size x gpu, with `engine`'s
-        host terms (engine_overheads.py; None: the GPU profile's two overheads), its
+        host terms (an engines.toml entry or its key, by default vLLM's; None, and always
+        on the host profile: the profile's own two overheads), its
         HTTP front end when `served`, and config.enforce_eager). `quantization` and
         `kv_cache_dtype`: vLLM's --quantization fp8 and --kv-cache-dtype fp8 (weights,
         KV cache in one byte: the pool and the cost model both see them). With a
@@ -179,6 +181,8 @@ class SimulatedEngine:
         draft = (draft_model_shape(spec, model)
                  if spec is not None and spec.method == "draft_model" else None)
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
+        if isinstance(engine, str):
+            engine = load_engine(engine) if gpu.kind == "gpu" else None
         self.num_blocks, self.pool_sized_by = size_kv_pool(
             model, gpu, config, self.dtype, tensor_parallel_size, self.max_model_len,
             self.block_size, draft, draft is not None and not spec.is_self_draft,

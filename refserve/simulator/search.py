@@ -147,7 +147,7 @@ class Planner:
     tolerance: float = 0.05
     max_simulations: int | None = None
     on_simulation: object = None  # called with (candidate, Evaluation) after each one
-    engine_overheads: object = None  # an EngineOverheads (engines.toml); None: the GPU's
+    engine_overheads: object = "vllm"  # an engines.toml entry or key; None: the GPU's own
     served: bool = False             # price an HTTP front end per streamed token
     simulations: int = 0
     evaluations: dict = field(default_factory=dict)
