@@ -132,12 +132,13 @@ def test_vllm_command_precision_and_schedule_flags():
 
 
 def test_vllm_command_parses_with_vllms_own_parser():
-    try:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.utils import FlexibleArgumentParser
-    except ImportError:
-        pytest.skip("vllm is not installed: the line is checked against VLLM_SERVE_FLAGS "
-                    "(vLLM's documented CLI) instead")
+    # vLLM is no dependency of refserve: with it installed, its own parser reads the line.
+    reason = ("vllm is not installed: the line is checked against VLLM_SERVE_FLAGS (vLLM's "
+              "documented CLI) instead")
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils", reason=reason)
+    utils = pytest.importorskip("vllm.utils", reason=reason)
+    AsyncEngineArgs, FlexibleArgumentParser = arg_utils.AsyncEngineArgs, \
+        utils.FlexibleArgumentParser
     cand = Candidate(EngineConfig(max_num_batched_tokens=8192), 2, quantization="fp8",
                      kv_cache_dtype="fp8")
     words = vllm_command(MODEL, cand, 8192, "bfloat16").split()
