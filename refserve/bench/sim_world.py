@@ -204,7 +204,8 @@ def plan_check(args) -> list[dict]:
                "tpot_p99_s": [c.tpot_p99 for c in checks]}
         out.append(row)
         print(f"plan on {row['hardware']} ({model_key}, KV fp8"
-              f"{', weights fp8' if fp8_weights else ''}): {row['planned_rate']} req/s "
+              f"{', weights fp8' if fp8_weights else ''}): "
+              f"{row['planned_rate'] or 0:.2f} req/s "
               f"with max_num_seqs {row['max_num_seqs']}; replayed on seeds 21, 22: "
               f"{'within' if row['replayed_ok'] else 'OUTSIDE'} p99 TTFT <= {ttft} s, "
               f"TPOT <= {tpot * 1e3:g} ms")
