@@ -5,14 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from refserve.simulator.cost_model import (
-    CostModel,
-    Efficiencies,
-    StepComposition,
-    fit,
-    replay,
-)
+from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition
 from refserve.simulator.hardware import GpuProfile, ModelShape, load_gpu, load_model
+from refserve.simulator.step_fit import fit, replay
 
 # A toy model and GPU with round numbers, so every term can be checked on paper.
 TOY = ModelShape(name="toy", num_layers=2, hidden_size=4, num_heads=2, num_kv_heads=1,

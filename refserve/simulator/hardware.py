@@ -2,9 +2,9 @@
 
 A `GpuProfile` is data: memory, dense peak FLOP/s per dtype, memory bandwidth, interconnect
 and host-link bandwidth, an hourly price, and the cost model's efficiencies (priors until
-`cost_model.fit` measures them). The built-in profiles live in `gpus.toml` beside this file,
-each number with the source it was taken from; every one of them is an assumption the user
-can override:
+`step_fit.fit` or bench sim-world measures them). The built-in profiles live in `gpus.toml`
+beside this file, each number with the source it was taken from; every one of them is an
+assumption the user can override:
 
     load_gpu("h100-80gb")                                   a built-in profile
     load_gpu("my-gpu", hardware_file="gpus.toml")           a profile from the user's file

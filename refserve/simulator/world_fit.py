@@ -11,7 +11,7 @@ schedule of the run fixed, each step time is linear in the fitted values
 
 The fitted values: per GPU, the GEMM, weight-read, KV-gather and attention efficiencies
 and the all-reduce latency; per engine, the host terms (engines.toml). `fit` alternates (as
-`cost_model.fit` does for step profiles): simulate every row with the current constants,
+`step_fit.fit` does for step profiles): simulate every row with the current constants,
 record each metric's steps and weights, solve
 
     min_theta  sum_i ((T_i(theta) - T_i^published) / T_i^published)^2
