@@ -114,9 +114,60 @@ PRESETS: dict[str, dict] = {
         "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
         "max_position_embeddings": 8192,
     },
+    # Llama 3.1: the Llama 3 shapes with a 128K context.
+    "llama-3.1-8b": {
+        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+    },
+    "llama-3.1-70b": {
+        "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+    },
+    # Llama 2: no grouped-query attention at 7B (32 KV heads: 4x Llama 3's KV bytes).
+    "llama-2-7b": {
+        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+        "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+    },
+    "llama-2-70b": {
+        "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 28672, "vocab_size": 32000, "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+    },
 }
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+
+# vLLM's --quantization (weights) and --kv-cache-dtype (the KV cache) choices that the
+# capacity math and the simulator price: one byte per weight, one byte per K or V element.
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def weight_dtype_bytes(dtype: str, quantization: str | None = None) -> int:
+    """Bytes per weight: 1 with quantization="fp8", else the model dtype's."""
+    if quantization is None:
+        return DTYPE_BYTES[dtype]
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: choose one of "
+                         f"{', '.join(QUANTIZATIONS)} (or none)")
+    return 1
+
+
+def kv_cache_dtype_bytes(dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes per cached K or V element: the model dtype's ("auto", vLLM's default) or 1
+    for an fp8 cache, which halves KV bytes per token against 16-bit and so doubles the
+    tokens a pool of the same bytes holds."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: choose one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return DTYPE_BYTES[dtype] if kv_cache_dtype == "auto" else 1
 
 
 def _config_int(config: dict, key: str, default: int | None = None) -> int:
@@ -263,13 +314,18 @@ def _require_positive_int(name: str, value: object) -> None:
 
 
 def capacity_report(config: dict, memory_bytes: int, context: int, block_size: int = 16,
-                    dtype_bytes: int = 2, gpu_memory_utilization: float = 0.9) -> dict:
-    """All the numbers the CLI prints, as a dict (handy for tests and notebooks)."""
+                    dtype_bytes: int = 2, gpu_memory_utilization: float = 0.9, *,
+                    weight_bytes: int | None = None, kv_bytes: int | None = None) -> dict:
+    """All the numbers the CLI prints, as a dict (handy for tests and notebooks).
+    `weight_bytes` / `kv_bytes`: bytes per weight / per K or V element when they differ
+    from `dtype_bytes` (fp8 weights: --quantization fp8; an fp8 KV cache:
+    --kv-cache-dtype fp8, which halves KV per token against 16-bit and so doubles the
+    pool's tokens and the sequences it holds)."""
     shape = model_shape(config)
     per_token = kv_bytes_per_token(shape["num_layers"], shape["num_kv_heads"],
-                                   shape["head_dim"], dtype_bytes)
+                                   shape["head_dim"], kv_bytes or dtype_bytes)
     per_block = kv_bytes_per_block(per_token, block_size)
-    weights = weights_bytes(config, dtype_bytes)
+    weights = weights_bytes(config, weight_bytes or dtype_bytes)
     num_blocks = num_blocks_for_memory(memory_bytes, gpu_memory_utilization, weights,
                                        per_block)
     blocks_per_seq = blocks_for_tokens(context, block_size)

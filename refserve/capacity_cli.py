@@ -17,12 +17,16 @@ import sys
 
 from refserve.capacity import (
     DTYPE_BYTES,
+    KV_CACHE_DTYPES,
     PRESET_DTYPE,
     PRESETS,
+    QUANTIZATIONS,
     capacity_report,
     format_bytes,
+    kv_cache_dtype_bytes,
     load_model_config,
     model_dtype,
+    weight_dtype_bytes,
 )
 from refserve.entrypoints.cli_common import ArgumentParser, memory_size
 
@@ -61,6 +65,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
                         help="dtype of weights and KV cache (default: the model's own)")
     parser.add_argument("--gpu-memory-utilization", type=_utilization, default=0.9)
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="fp8: one byte per weight (vLLM's --quantization fp8)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="fp8: one byte per K/V element, twice the tokens per pool "
+                        "(vLLM's --kv-cache-dtype fp8; auto: --dtype's)")
     return parser
 
 
@@ -73,20 +82,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.dtype is None:
             args.dtype = (PRESET_DTYPE if name in PRESETS else model_dtype(config)) or "float16"
         dtype_bytes = DTYPE_BYTES[args.dtype]
+        weight_bytes = weight_dtype_bytes(args.dtype, args.quantization)
+        kv_bytes = kv_cache_dtype_bytes(args.dtype, args.kv_cache_dtype)
         r = capacity_report(config, args.memory, args.context, args.block_size, dtype_bytes,
-                            args.gpu_memory_utilization)
+                            args.gpu_memory_utilization, weight_bytes=weight_bytes,
+                            kv_bytes=kv_bytes)
     except ValueError as err:
         parser.error(str(err))  # one `error:` line, exit status 2
 
     bs = args.block_size
     rows = [
         ("model", f"{name}: {r['num_layers']} layers, {r['num_heads']} heads, "
-                  f"{r['num_kv_heads']} KV heads x {r['head_dim']}, {args.dtype}"),
+                  f"{r['num_kv_heads']} KV heads x {r['head_dim']}, {args.dtype}"
+                  + (f", {args.quantization} weights" if args.quantization else "")
+                  + (f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype != "auto"
+                     else "")),
         ("parameters", f"{r['parameters']:,}"),
-        ("weights", f"{format_bytes(r['weights_bytes'])} ({r['weights_bytes']:,} bytes)"),
+        ("weights", f"{format_bytes(r['weights_bytes'])} ({r['weights_bytes']:,} bytes = "
+                    f"{r['parameters']:,} x {weight_bytes})"),
         ("KV per token", f"{format_bytes(r['kv_bytes_per_token'])} "
                          f"= 2 x {r['num_layers']} x {r['num_kv_heads']} x {r['head_dim']} "
-                         f"x {dtype_bytes} bytes"),
+                         f"x {kv_bytes} bytes"),
         ("KV per block", f"{format_bytes(r['kv_bytes_per_block'])} = {bs} tokens x "
                          f"{r['kv_bytes_per_token']:,} bytes"),
         ("usable memory", f"{format_bytes(r['budget_bytes'])} "

@@ -12,6 +12,7 @@
 | max_num_seqs | seats in the running batch (continuous-batching slot cap) |
 | max_num_batched_tokens | token budget of one step (chunked prefill); None: the backend's |
 | long_prefill_token_threshold | most tokens one prefill takes per step (0: no cap; None: backend) |
+| enable_chunked_prefill | False: prefill-first steps, decodes wait (vLLM V0's schedule) |
 | enable_prefix_caching | reuse full KV blocks of an identical prompt prefix |
 | prefix_caching_policy | "hash" (vLLM's hash chain, default) or "radix" (SGLang's tree) |
 | scheduling_policy | waiting-queue order: "fcfs", "lpm" (longest cached prefix), "priority" |
@@ -105,6 +106,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None   # None: the backend's default
     long_prefill_token_threshold: int | None = None  # None: the backend's default (0: off)
+    enable_chunked_prefill: bool = True  # False: prefill-only steps (scheduler/scheduler.py)
     enable_prefix_caching: bool = True
     prefix_caching_policy: str = "hash"
     scheduling_policy: str = "fcfs"
@@ -180,6 +182,12 @@ class EngineConfig:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(
                 self.seed, bool) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r}: must be an integer >= 0 or None")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r}: must "
+                             "be True or False")
+        if self.batching == "static" and not self.enable_chunked_prefill:
+            raise ValueError("enable_chunked_prefill=False needs batching='continuous' "
+                             "(static batching prefills its batch before it decodes anyway)")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r}: must be True or False")
         if (isinstance(self.gpu_memory_utilization, bool)

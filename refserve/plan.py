@@ -5,8 +5,9 @@ what rate, for how many dollars; and the `vllm serve` line that runs it.
         --slo-ttft-p99 2s --slo-tpot-p99 100ms --tensor-parallel-size 1,2,4,8
 
 For each tensor-parallel degree it searches max_num_seqs, max_num_batched_tokens,
-block_size, gpu_memory_utilization and prefix caching one knob at a time (from vLLM's
-defaults), each configuration's highest arrival rate meeting p99 TTFT and p99 TPOT by
+block_size, gpu_memory_utilization, prefix caching and the precision (--quantization fp8
+weights, --kv-cache-dtype fp8, where the GPU has an fp8 peak) one knob at a time (from
+vLLM's defaults), each configuration's highest arrival rate meeting p99 TTFT and p99 TPOT by
 bisection (refserve/simulator/search.py), all on the simulator. The best configuration of
 each degree is then re-simulated on two other seeds at `--headroom` below its edge: that
 verified rate is the one to plan for. It prints the Pareto table (planned rate, goodput,
@@ -26,6 +27,7 @@ import sys
 import time
 
 from refserve.bench.common import print_table
+from refserve.capacity import KV_CACHE_DTYPES, QUANTIZATIONS
 from refserve.entrypoints.cli_common import ArgumentParser, CLIError, RawDescriptionHelpFormatter
 from refserve.simulate import (
     add_engine_args,
@@ -35,10 +37,12 @@ from refserve.simulate import (
     make_requests,
     run_cli,
     usd_per_million,
+    workload_name,
 )
 
 VLLM_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "block_size": 16,
                  "gpu_memory_utilization": 0.9, "enable_prefix_caching": True}
+PRECISION_DEFAULTS = {"quantization": None, "kv_cache_dtype": "auto"}
 
 
 def parse_duration(text: str) -> float:
@@ -64,6 +68,26 @@ def _list_of(kind):
             raise argparse.ArgumentTypeError("give at least one value")
         return values
     return parse
+
+
+def _quantization(text: str) -> str | None:
+    if text.lower() in ("none", "off"):
+        return None
+    if text in QUANTIZATIONS:
+        return text
+    raise ValueError(text)
+
+
+_quantization.__name__ = "quantization (none or fp8)"
+
+
+def _kv_cache_dtype(text: str) -> str:
+    if text in KV_CACHE_DTYPES:
+        return text
+    raise ValueError(text)
+
+
+_kv_cache_dtype.__name__ = "kv cache dtype (auto or fp8)"
 
 
 def _on_off(text: str) -> bool:
@@ -95,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--gpu-memory-utilization", type=_list_of(float), default=[0.9, 0.95])
     k.add_argument("--enable-prefix-caching", type=_list_of(_on_off), default=[True, False],
                    metavar="on,off")
+    k.add_argument("--quantization", type=_list_of(_quantization), default=[None, "fp8"],
+                   metavar="none,fp8", help="weights: fp8 only where the GPU has an fp8 "
+                   "peak (gpus.toml)")
+    k.add_argument("--kv-cache-dtype", type=_list_of(_kv_cache_dtype),
+                   default=["auto", "fp8"], metavar="auto,fp8")
     k.add_argument("--num-requests", type=int, default=600,
                    help="requests per simulation")
     k.add_argument("--tolerance", type=float, default=0.05,
@@ -130,22 +159,50 @@ def _start(values: list, default):
     return default if default in values else values[len(values) // 2]
 
 
+def _first_that_fits(planner, base, tp: int, precision: dict, args):
+    """The search's start at this degree: the default precision, or else the first of the
+    searched ones whose weights and pool fit (fp8 weights can fit a model that 16-bit
+    weights do not). Returns (candidate, None) or (None, why the default does not fit)."""
+    from refserve.simulator.search import Candidate
+
+    order = [precision] + [{"quantization": q, "kv_cache_dtype": k}
+                           for q in args.quantization for k in args.kv_cache_dtype]
+    why = None
+    for p in order:
+        cand = Candidate(base, tp, **p)
+        try:
+            planner.engine(cand)
+            return cand, None
+        except (ValueError, NotImplementedError) as e:
+            why = why or " ".join(str(e).split())
+    return None, why
+
+
 def vllm_command(model, cand, max_model_len: int, dtype: str) -> str:
+    """The `vllm serve` line of a planned candidate: only flags of vLLM's documented CLI
+    (`vllm serve --help`; tests/test_simulator_plan.py parses it with vLLM's own parser
+    when vllm is installed)."""
     from refserve.simulator.hardware import HF_IDS
 
     c = cand.config
     prefix = "--enable-prefix-caching" if c.enable_prefix_caching else \
         "--no-enable-prefix-caching"
+    chunked = "--enable-chunked-prefill" if c.enable_chunked_prefill else \
+        "--no-enable-chunked-prefill"
+    precision = "".join([f" --quantization {cand.quantization}" if cand.quantization else "",
+                         f" --kv-cache-dtype {cand.kv_cache_dtype}"
+                         if cand.kv_cache_dtype != "auto" else ""])
+    eager = " --enforce-eager" if c.enforce_eager else ""
     return (f"vllm serve {HF_IDS.get(model.name, model.name)} --dtype {dtype} "
             f"--tensor-parallel-size {cand.tensor_parallel_size} --max-model-len "
             f"{max_model_len} --max-num-seqs {c.max_num_seqs} --max-num-batched-tokens "
             f"{c.max_num_batched_tokens} --block-size {c.block_size} "
             f"--gpu-memory-utilization {c.gpu_memory_utilization} {prefix} "
-            "--enable-chunked-prefill")
+            f"{chunked}{precision}{eager}")
 
 
 def run(args) -> int:
-    from refserve.simulator.search import SLO, Candidate, Planner
+    from refserve.simulator.search import SLO, Planner
 
     _check(args)
     model, gpu = load_hardware(args)
@@ -153,6 +210,13 @@ def run(args) -> int:
     base = engine_config(args, **{k: _start(getattr(args, k), d)
                                   for k, d in VLLM_DEFAULTS.items()})
     max_model_len = base.max_model_len or model.max_position_embeddings
+    if not base.enable_chunked_prefill and any(
+            t < max_model_len for t in args.max_num_batched_tokens):
+        raise CLIError(f"--no-enable-chunked-prefill: vLLM refuses a "
+                       f"--max-num-batched-tokens below --max-model-len ({max_model_len}); "
+                       "search budgets >= it, or lower --max-model-len")
+    if "fp8" not in gpu.peak_flops:  # no fp8 GEMMs on this GPU (an A100): search without
+        args.quantization = [q for q in args.quantization if q is None] or [None]
     make_requests(args, model, max_model_len, 1.0)  # a bad workload fails here, not later
 
     def requests(rate, seed, num_requests):
@@ -173,19 +237,20 @@ def run(args) -> int:
                                 f"{'ok' if ev.ok else 'over'}", refresh=False)
 
     planner = Planner(model, gpu, requests, slo, num_requests=args.num_requests,
-                      seed=args.seed, tolerance=args.tolerance, on_simulation=on_simulation)
-    knobs = {k: getattr(args, k) for k in VLLM_DEFAULTS}
-    print(f"plan: {model.name} on {gpu.name}; {args.workload if not args.replay else args.replay}"
+                      seed=args.seed, tolerance=args.tolerance, on_simulation=on_simulation,
+                      engine_overheads=args.engine, served=args.served)
+    knobs = {k: getattr(args, k) for k in (*VLLM_DEFAULTS, *PRECISION_DEFAULTS)}
+    precision = {k: _start(getattr(args, k), d) for k, d in PRECISION_DEFAULTS.items()}
+    print(f"plan: {model.name} on {gpu.name}; "
+          f"{workload_name(args) if not args.replay else args.replay}"
           f"; SLO p99 TTFT <= {slo.ttft_p99:g} s, p99 TPOT <= {slo.tpot_p99 * 1e3:g} ms; "
           f"{args.num_requests} requests per simulation", flush=True)
     t0 = time.perf_counter()
     rows = []
     for tp in args.tensor_parallel_size:
-        start = Candidate(base, tp)
-        try:
-            engine = planner.engine(start)
-        except (ValueError, NotImplementedError) as e:
-            print(f"tensor parallel {tp}: does not fit: {' '.join(str(e).split())}")
+        start, why = _first_that_fits(planner, base, tp, precision, args)
+        if start is None:
+            print(f"tensor parallel {tp}: does not fit: {why}")
             continue
         best, best_ev, tried = planner.search(start, knobs)
         if best_ev is None:
@@ -202,6 +267,8 @@ def run(args) -> int:
             "max_num_batched_tokens": c.max_num_batched_tokens, "block_size": c.block_size,
             "gpu_memory_utilization": c.gpu_memory_utilization,
             "prefix": "on" if c.enable_prefix_caching else "off",
+            "precision": (best.quantization or "-") + "/" + (
+                "fp8" if best.kv_cache_dtype != "auto" else "-"),
             "edge": best_ev.rate, "bound": best_ev.bound,
             "rate": planned.rate if planned else None,
             "goodput": planned.goodput_req_s if planned else None,
@@ -227,6 +294,7 @@ def run(args) -> int:
     print_table(rows, [("pareto", "", ""), ("tp", "TP", "d"), ("max_num_seqs", "seqs", "d"),
                        ("max_num_batched_tokens", "tokens", "d"), ("block_size", "block", "d"),
                        ("gpu_memory_utilization", "mem", ".2f"), ("prefix", "prefix", ""),
+                       ("precision", "w/kv fp8", ""),
                        ("kv_blocks", "KV blocks", "d"), ("edge", "edge req/s", ".2f"),
                        ("bound", "bound by", ""),
                        ("rate", "plan req/s", ".2f"), ("goodput", "goodput req/s", ".2f"),

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from refserve.bench.common import print_table
+from refserve.capacity import KV_CACHE_DTYPES, QUANTIZATIONS
 from refserve.config import BATCHING, DTYPES, KV_CACHE_LAYOUTS, EngineConfig
 from refserve.entrypoints.cli_common import (
     EXIT_USAGE,
@@ -32,6 +33,7 @@ from refserve.entrypoints.cli_common import (
     check_output_path,
     json_object,
 )
+from refserve.simulator.engine_overheads import DEFAULT_ENGINE, engine_names
 from refserve.simulator.report import downsample, latency_table, plot, usd_per_million
 
 DEFAULT_OUT = {"json": "simulate.json", "plot": "simulate.png", "trace": "simulate.trace.json"}
@@ -74,8 +76,24 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
                    "memory_bandwidth=3.0e12 or peak_flops.bfloat16=8e14 (repeatable)")
     h.add_argument("--usd-per-hour", type=_positive_float, default=None,
                    help="price of one GPU per hour (default: the profile's assumption)")
-    w = p.add_argument_group("workload (refserve's own)")
-    w.add_argument("--workload", default="chat", choices=WORKLOADS)
+    w = p.add_argument_group("workload (refserve's own names; the random / sharegpt "
+                             "flags are vLLM's benchmark's)")
+    w.add_argument("--workload", "--dataset-name", default="chat", choices=WORKLOADS,
+                   help="random: --input-len / --output-len / --range-ratio; sharegpt: the "
+                   "built-in ShareGPT-like lengths; dataset: --dataset-path "
+                   "(refserve/benchmark_datasets.py)")
+    w.add_argument("--input-len", "--random-input-len", type=int, default=1024,
+                   help="random workload: prompt tokens per request")
+    w.add_argument("--output-len", "--random-output-len", type=int, default=128,
+                   help="random workload: output tokens per request")
+    w.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
+                   help="random workload: lengths uniform in [len (1 - r), len (1 + r)]")
+    w.add_argument("--dataset-path", type=Path, default=None, metavar="JSON",
+                   help="lengths from a ShareGPT-format JSON or a vLLM benchmark result "
+                   "JSON on disk (implies --workload dataset)")
+    w.add_argument("--tokenizer", type=Path, default=None, metavar="TOKENIZER_JSON",
+                   help="a tokenizer.json that counts a ShareGPT file's tokens (default: "
+                   "4 characters per token)")
     w.add_argument("--replay", type=Path, metavar="JSONL", help="replay a trace instead of "
                    "--workload: {\"timestamp\": s, \"prompt_tokens\": n, \"output_tokens\": m} "
                    "per line (see refserve/simulator/workload.py)")
@@ -96,9 +114,20 @@ def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
         e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="--no-enable-chunked-prefill: prefill-first steps, "
+                   "decodes wait (vLLM V0's schedule)")
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every step pays the eager kernel launches")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--num-gpu-blocks-override", type=int, default=None)
     e.add_argument("--dtype", default="auto", choices=DTYPES)
+    if not search:
+        e.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                       help="fp8: one byte per weight, GEMMs at the profile's fp8 peak")
+        e.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="fp8: one byte per cached K/V element (the pool holds twice "
+                       "the tokens)")
     e.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                    help="vLLM's dict, e.g. '{\"method\": \"ngram\", "
                    "\"num_speculative_tokens\": 4}'; a draft_model is \"self\" (with "
@@ -108,6 +137,12 @@ def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
     r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS)
     r.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3,
                    help="KV pool of --gpu this-machine (the NumPy backend's knob)")
+    r.add_argument("--engine", default=DEFAULT_ENGINE, choices=engine_names(),
+                   help="whose host costs to price (scheduling, sampling, launches): an "
+                   "entry of refserve/simulator/engines.toml")
+    r.add_argument("--served", action="store_true",
+                   help="price an HTTP front end streaming every token (a served run, as "
+                   "vLLM's benchmark_serving measures)")
     r.add_argument("--spec-alpha", type=float, default=0.7, metavar="ALPHA",
                    help="with --speculative-config: the probability that each draft is "
                    "accepted, for requests whose workload sets none (refserve/simulator/"
@@ -119,7 +154,8 @@ def engine_config(args, **overrides) -> EngineConfig:
         max_model_len=args.max_model_len, num_gpu_blocks_override=args.num_gpu_blocks_override,
         dtype=args.dtype, batching=args.batching, kv_cache_layout=args.kv_cache_layout,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config,
+        enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager)
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                  "gpu_memory_utilization", "enable_prefix_caching"):
         if hasattr(args, name):
@@ -169,20 +205,44 @@ def make_requests(args, model, max_model_len: int, rate: float, seed: int | None
             return load_trace(args.replay, vocab_size=model.vocab_size,
                               max_model_len=max_model_len, seed=seed,
                               rate=None if math.isinf(rate) else rate)
-        return make_workload(args.workload, num_requests or args.num_requests, rate,
+        return make_workload(workload_name(args), num_requests or args.num_requests, rate,
                              vocab_size=model.vocab_size, max_model_len=max_model_len,
-                             seed=seed, arrival=args.arrival, burstiness=args.burstiness)
+                             seed=seed, arrival=args.arrival, burstiness=args.burstiness,
+                             input_len=args.input_len, output_len=args.output_len,
+                             range_ratio=args.range_ratio, dataset_path=args.dataset_path,
+                             count_tokens=token_counter(args.tokenizer))
     except ValueError as e:
         raise CLIError(str(e)) from None
 
 
+def workload_name(args) -> str:
+    return "dataset" if args.dataset_path is not None else args.workload
+
+
+def token_counter(path: Path | None):
+    """len(ids) of a tokenizer.json's encoding, or None (4 characters per token)."""
+    if path is None:
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the user's mistake
+        raise CLIError(f"--tokenizer {path}: cannot load a tokenizer.json ({e})") from None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
 def build_engine(model, gpu, config: EngineConfig, tensor_parallel_size: int,
-                 spec_alpha: float = 0.7, seed: int = 0):
+                 spec_alpha: float = 0.7, seed: int = 0, *, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto", engine: str = DEFAULT_ENGINE,
+                 served: bool = False):
     from refserve.simulator.engine import SimulatedEngine
 
     try:
         return SimulatedEngine(model, gpu, config, tensor_parallel_size=tensor_parallel_size,
-                               spec_alpha=spec_alpha, spec_seed=seed)
+                               spec_alpha=spec_alpha, spec_seed=seed,
+                               quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                               engine=engine, served=served)
     except (ValueError, NotImplementedError) as e:
         raise CLIError(str(e)) from None
 
@@ -223,7 +283,9 @@ def run(args) -> int:
     model, gpu = load_hardware(args)
     config = engine_config(args)
     engine = build_engine(model, gpu, config, args.tensor_parallel_size, args.spec_alpha,
-                          args.seed)
+                          args.seed, quantization=args.quantization,
+                          kv_cache_dtype=args.kv_cache_dtype, engine=args.engine,
+                          served=args.served)
     requests = make_requests(args, model, engine.max_model_len, args.rate)
     try:
         engine.check_requests(requests)
@@ -232,11 +294,12 @@ def run(args) -> int:
     from refserve.simulator.trace import TraceRecorder
 
     print(f"model: {model.name} ({model.total_params / 1e9:.2f}B params, {engine.dtype})")
-    for line in gpu.describe(engine.dtype):
+    for line in gpu.describe(engine.cost_model.gemm_dtype):
         print(line)
     print(engine.describe())
+    print(engine.cost_model.describe())
     source = f"replay of {args.replay}" if args.replay else (
-        f"{args.workload}, {args.arrival} arrivals at {args.rate:g} req/s")
+        f"{workload_name(args)}, {args.arrival} arrivals at {args.rate:g} req/s")
     print(f"workload: {len(requests)} requests, {source}, seed {args.seed}", flush=True)
     recorder = TraceRecorder() if args.trace is not None else None
     t0 = time.perf_counter()
@@ -267,12 +330,15 @@ def run(args) -> int:
         "cost_model": vars(engine.cost_model.eff),
         "config": {k: getattr(config, k) for k in (
             "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
-            "enable_prefix_caching", "batching", "kv_cache_layout")},
+            "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "batching",
+            "kv_cache_layout")},
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+        "engine": args.engine, "served": args.served,
         "speculative_config": (None if config.speculative_config is None
                                else vars(config.speculative_config)),
         "spec_alpha": args.spec_alpha if config.speculative_config is not None else None,
         "num_blocks": engine.num_blocks, "max_model_len": engine.max_model_len,
-        "workload": {"name": None if args.replay else args.workload,
+        "workload": {"name": None if args.replay else workload_name(args),
                      "replay": None if args.replay is None else str(args.replay),
                      "rate": args.rate, "arrival": args.arrival, "seed": args.seed,
                      "num_requests": len(requests)},
@@ -286,7 +352,7 @@ def run(args) -> int:
         print(f"numbers written to {args.json}")
     if args.plot is not None:
         title = (f"{model.name} on {args.tensor_parallel_size} x {gpu.name} | "
-                 f"{'replay' if args.replay else args.workload} at {args.rate:g} req/s")
+                 f"{'replay' if args.replay else workload_name(args)} at {args.rate:g} req/s")
         plot(result, engine, args.plot, title, args.slo_ttft, args.slo_tpot)
         print(f"plot written to {args.plot}")
     if recorder is not None:

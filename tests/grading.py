@@ -128,6 +128,8 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_default_model_fetch.py", None, ("model_loading",)),
     ("test_loader_errors.py", None, ("model_loading",)),
     ("test_hub_ids.py", None, ("model_loading",)),
+    ("test_prefill_first.py", r"simulator", ("simulator", "chunked_prefill")),
+    ("test_prefill_first.py", None, ("scheduler", "chunked_prefill")),
     ("test_scheduler.py", r"chunked_prefill", ("scheduler", "chunked_prefill")),
     ("test_scheduler.py", r"preempt", ("scheduler", "preemption")),
     ("test_scheduler.py", None, ("scheduler",)),

@@ -13,8 +13,9 @@ import pytest
 
 from refserve.bench import main
 from refserve.bench.sim_fidelity import METRICS, profile_requests, workloads_to_test
-from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition, fit
+from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition
 from refserve.simulator.hardware import load_gpu, load_model
+from refserve.simulator.step_fit import fit
 
 
 def test_fit_and_test_workloads_are_different():

@@ -10,6 +10,7 @@ from refserve import capacity, capacity_cli
 from refserve.capacity import (
     PRESETS,
     blocks_for_tokens,
+    capacity_report,
     kv_bytes_per_block,
     kv_bytes_per_token,
     last_block_fill,
@@ -144,3 +145,41 @@ def test_cli_errors(args, message, capsys):
         capacity_cli.main([x for pair in argv.items() for x in pair])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_fp8_weights_and_kv_cache_arithmetic():
+    from refserve.capacity import kv_cache_dtype_bytes, weight_dtype_bytes
+
+    assert weight_dtype_bytes("bfloat16") == 2 and weight_dtype_bytes("bfloat16", "fp8") == 1
+    assert kv_cache_dtype_bytes("bfloat16") == 2
+    assert kv_cache_dtype_bytes("float32", "fp8") == 1
+    assert kv_cache_dtype_bytes("bfloat16", "fp8_e4m3") == 1
+    with pytest.raises(ValueError, match="quantization='awq'"):
+        weight_dtype_bytes("bfloat16", "awq")
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        kv_cache_dtype_bytes("bfloat16", "int8")
+    config = PRESETS["llama-3-70b"]
+    # The bf16 weights (131 GiB) do not fit in 0.9 x 80 GiB; in fp8 (66 GiB) they do.
+    with pytest.raises(ValueError, match="do not fit"):
+        capacity_report(config, 80 * 2**30, 4096)
+    fp8 = capacity_report(config, 80 * 2**30, 4096, weight_bytes=1, kv_bytes=1)
+    # Llama-3-70B: 2 x 80 x 8 x 128 x 1 = 163,840 bytes per token in fp8, half of bf16's.
+    assert fp8["kv_bytes_per_token"] == 163_840 == kv_bytes_per_token(80, 8, 128, 2) // 2
+    assert fp8["weights_bytes"] == num_parameters(config)  # one byte per parameter
+    budget = int(80 * 2**30 * 0.9)
+    assert fp8["num_blocks"] == (budget - num_parameters(config)) // (16 * 163_840)
+    kv_only = capacity_report(PRESETS["llama-3-8b"], 80 * 2**30, 2048, kv_bytes=1)
+    bf16 = capacity_report(PRESETS["llama-3-8b"], 80 * 2**30, 2048)
+    # Same weights, KV in one byte: the pool holds twice the blocks (to the block).
+    assert kv_only["num_blocks"] in (2 * bf16["num_blocks"], 2 * bf16["num_blocks"] + 1)
+    assert kv_only["max_concurrent_sequences"] >= 2 * bf16["max_concurrent_sequences"]
+
+
+def test_capacity_cli_fp8_flags(capsys):
+    from refserve.capacity_cli import main
+
+    assert main(["--model", "llama-3-8b", "--memory", "80GiB", "--context", "2048",
+                 "--kv-cache-dtype", "fp8", "--quantization", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 weights, fp8 KV cache" in out
+    assert "64.00 KiB = 2 x 32 x 8 x 128 x 1 bytes" in out

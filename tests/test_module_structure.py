@@ -124,7 +124,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "refserve.config", "refserve.speculative_config",
         "refserve.sampling_params", "refserve.sampling", "refserve.logits_processors",
         "refserve.logprobs", "refserve.inputs", "refserve.metrics",
-        "refserve.outputs", "refserve.sequence")),
+        "refserve.outputs", "refserve.sequence", "refserve.benchmark_datasets")),
     ("kv cache and capacity", ("refserve.kv_cache", "refserve.capacity")),
     ("scheduler", ("refserve.scheduler",)),
     ("spec-decode math", ("refserve.spec_decode",)),

@@ -5,14 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from refserve.simulator.cost_model import (
-    CostModel,
-    Efficiencies,
-    StepComposition,
-    fit,
-    replay,
-)
+from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition
 from refserve.simulator.hardware import GpuProfile, ModelShape, load_gpu, load_model
+from refserve.simulator.step_fit import fit, replay
 
 # A toy model and GPU with round numbers, so every term can be checked on paper.
 TOY = ModelShape(name="toy", num_layers=2, hidden_size=4, num_heads=2, num_kv_heads=1,
@@ -30,8 +25,10 @@ def test_composition_sums_by_hand():
     # A 4-token prefill of a new sequence and a decode at context 10.
     comp = StepComposition.from_rows([(4, 4, 1), (1, 10, 1)])
     # query-key pairs: the prefill's 4 queries see 1, 2, 3, 4 keys = 10; the decode 10
+    # both rows sample; the prefill has query tokens without logits (a prefill row)
     assert comp == StepComposition(num_rows=2, num_tokens=5, num_logits=2,
-                                   context_tokens=14, attention_pairs=20)
+                                   context_tokens=14, attention_pairs=20,
+                                   num_sampling_rows=2, num_prefill_rows=1)
     # A chunk of 3 tokens at positions 5..7 (context 8 after the step), no logits:
     # queries see 6, 7, 8 keys.
     assert StepComposition.from_rows([(3, 8, 0)]).attention_pairs == 21
@@ -54,7 +51,8 @@ def test_terms_by_hand():
     assert t["linear"] == pytest.approx(max(10400 / 5e5, 2200 / 5e4)) == pytest.approx(0.044)
     # attention: 1280 / (1e6 * 0.25) = 0.00512 s vs KV 448 / 5e4 = 0.00896 s
     assert t["attention"] == pytest.approx(0.00896)
-    assert t["overhead"] == pytest.approx(0.01 + 2 * 0.001)
+    assert t["cpu"] == pytest.approx(0.01 + 2 * 0.001)
+    assert t["launch"] == 0  # no eager launch cost in this profile
     assert t["allreduce"] == 0
     assert model.time(comp) == pytest.approx(0.044 + 0.00896 + 0.012)
     assert model.time(StepComposition()) == 0.0
@@ -148,8 +146,9 @@ def test_fit_keeps_the_prior_of_what_the_profile_never_exercises():
     # Small decode batches never hit the GEMM or attention compute roofs: those two
     # efficiencies stay at the prior; the bandwidth one is measured (from the KV reads,
     # which vary with the context while the weight read does not).
-    assert result.cost_model.eff.flops == gpu.flops_efficiency
-    assert result.cost_model.eff.attention == gpu.attention_efficiency
+    assert result.cost_model.eff.flops == pytest.approx(gpu.flops_efficiency, rel=1e-12)
+    assert result.cost_model.eff.attention == pytest.approx(gpu.attention_efficiency,
+                                                            rel=1e-12)
     assert result.cost_model.eff.bandwidth == pytest.approx(0.85, rel=1e-3)
     assert result.max_relative_error < 1e-4
 
@@ -188,3 +187,82 @@ def test_replay_returns_the_measured_times_in_order():
     assert [r.step_time(None), r.step_time(None)] == [0.1, 0.2]
     with pytest.raises(ValueError, match="more steps"):
         r.step_time(None)
+
+
+# ---- the host terms, fp8 and the all-reduce latency, each on a hand-computed step --------
+
+HOST = Efficiencies(flops=0.5, bandwidth=0.5, attention=0.25, step_overhead_s=0.01,
+                    row_overhead_s=0.001, sample_row_s=0.002, front_end_row_s=0.004,
+                    eager_layer_s=0.003)
+
+
+def test_cpu_term_by_hand_offline_and_served():
+    # Two rows: a 4-token prefill that samples and a 3-token chunk that does not.
+    comp = StepComposition.from_rows([(4, 4, 1), (3, 8, 0)])
+    assert (comp.num_sampling_rows, comp.num_prefill_rows) == (1, 2)
+    offline = CostModel(TOY, GPU, "bfloat16", efficiencies=HOST)
+    # step + row x R + sample_row x N = 0.01 + 0.001 x 2 + 0.002 x 1
+    assert offline.terms(comp)["cpu"] == pytest.approx(0.014)
+    served = CostModel(TOY, GPU, "bfloat16", efficiencies=HOST, served=True)
+    # + front_end_row x N (one streamed token) = 0.004
+    assert served.terms(comp)["cpu"] == pytest.approx(0.018)
+
+
+def test_launch_term_by_hand_graphs_and_eager():
+    decodes = StepComposition.from_rows([(1, 10, 1), (1, 20, 1), (3, 30, 3)])  # a verify too
+    prefill = StepComposition.from_rows([(1, 10, 1), (4, 4, 1)])
+    graphs = CostModel(TOY, GPU, "bfloat16", efficiencies=HOST)
+    # Decode / verify rows only: one CUDA graph replay, no per-layer launches.
+    assert graphs.graphed(decodes) and graphs.terms(decodes)["launch"] == 0.0
+    # A prefill row runs eagerly: L x eager_layer = 2 x 0.003.
+    assert graphs.terms(prefill)["launch"] == pytest.approx(0.006)
+    eager = CostModel(TOY, GPU, "bfloat16", efficiencies=HOST, enforce_eager=True)
+    assert eager.terms(decodes)["launch"] == pytest.approx(0.006)
+    small = CostModel(TOY, GPU, "bfloat16", efficiencies=HOST, max_graph_batch=2)
+    assert small.terms(decodes)["launch"] == pytest.approx(0.006)  # 3 rows > 2 captured
+
+
+def test_allreduce_latency_by_hand():
+    comp = StepComposition.from_rows([(1, 10, 1)])
+    cm = CostModel(TOY, GPU, "bfloat16", 2, efficiencies=HOST)
+    # 2 all-reduces per layer x 2 layers, each latency 1e-3 s + ring bytes over the link:
+    # 2 (p - 1) / p x T x H x b = 1 x 1 x 4 x 2 = 8 bytes each, at 1e4 B/s.
+    assert cm.terms(comp)["allreduce"] == pytest.approx(4 * (1e-3 + 8 / 1e4))
+
+
+def test_fp8_weights_and_kv_cache_by_hand():
+    gpu = dataclasses.replace(GPU, peak_flops={"bfloat16": 1e6, "fp8": 2e6})
+    comp = StepComposition.from_rows([(4, 4, 1), (1, 10, 1)])
+    w16 = CostModel(TOY, gpu, "bfloat16").work(comp)
+    fp8 = CostModel(TOY, gpu, "bfloat16", quantization="fp8", kv_cache_dtype="fp8")
+    w8 = fp8.work(comp)
+    assert w8["linear_bytes"] == w16["linear_bytes"] / 2 == 1100      # 1 byte per weight
+    assert w8["kv_bytes"] == w16["kv_bytes"] / 2 == 2 * 2 * 1 * 4 * 1 * 14
+    assert fp8.peak == 2e6 and fp8.attention_peak == 1e6  # GEMMs at fp8, attention bf16
+    t = fp8.terms(comp)
+    # GEMMs: compute 10400 / (2e6 x 0.5) = 0.0104 s vs weights 1100 / 5e4 = 0.022 s
+    assert t["linear"] == pytest.approx(0.022)
+    assert t["attention"] == pytest.approx(max(1280 / (1e6 * 0.25), 224 / 5e4))
+    with pytest.raises(ValueError, match="no fp8 peak"):
+        CostModel(TOY, GPU, "bfloat16", quantization="fp8")  # this GPU has no fp8 peak
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        CostModel(TOY, gpu, "bfloat16", quantization="int4")
+
+
+def test_kv_read_per_query_head_multiplies_the_kv_bytes():
+    comp = StepComposition.from_rows([(1, 10, 1)])
+    plain = CostModel(TOY, GPU, "bfloat16").work(comp)["kv_bytes"]
+    per_head = CostModel(TOY, GPU, "bfloat16", kv_read_per_query_head=True)
+    assert per_head.work(comp)["kv_bytes"] == plain * TOY.num_heads // TOY.num_kv_heads
+
+
+def test_features_reproduce_the_step_time():
+    """The fit's linear form (constant + coefficients x values) is the step time."""
+    gpu = dataclasses.replace(GPU, peak_flops={"bfloat16": 1e6, "fp8": 2e6})
+    cm = CostModel(TOY, gpu, "bfloat16", 2, HOST, quantization="fp8", served=True)
+    for rows in ([(1, 10, 1)] * 3, [(4, 4, 1), (3, 8, 0)], [(5, 60, 0)]):
+        comp = StepComposition.from_rows(rows)
+        constant, coef = cm.features(comp)
+        values = cm.fitted_values()
+        assert constant + sum(coef[k] * values[k] for k in coef) == pytest.approx(
+            cm.time(comp))

@@ -11,7 +11,7 @@ import pytest
 from refserve.engine import LLMEngine
 from refserve.sampling_params import SamplingParams
 from refserve.simulator import SimRequest, SimulatedEngine, load_gpu, load_model
-from refserve.simulator.cost_model import replay
+from refserve.simulator.step_fit import replay
 
 VOCAB = 97
 

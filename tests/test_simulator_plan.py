@@ -80,3 +80,85 @@ def test_vllm_command_uses_vllms_flag_names():
                  "--gpu-memory-utilization 0.95", "--no-enable-prefix-caching",
                  "--max-model-len 8192", "--dtype bfloat16"):
         assert flag in line
+
+
+# vLLM's `vllm serve --help` (the engine arguments of vLLM >= 0.9: docs.vllm.ai, "Engine
+# Arguments"): every flag the planned line may use, with the values it accepts.
+VLLM_SERVE_FLAGS = {
+    "--dtype": {"auto", "half", "float16", "bfloat16", "float", "float32"},
+    "--tensor-parallel-size": int, "--max-model-len": int, "--max-num-seqs": int,
+    "--max-num-batched-tokens": int, "--block-size": {"1", "8", "16", "32", "64", "128"},
+    "--gpu-memory-utilization": float,
+    "--enable-prefix-caching": None, "--no-enable-prefix-caching": None,
+    "--enable-chunked-prefill": None, "--no-enable-chunked-prefill": None,
+    "--quantization": {"fp8"}, "--kv-cache-dtype": {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"},
+    "--enforce-eager": None,
+}
+
+
+def check_against_vllm_flags(line: str) -> None:
+    words = line.split()
+    assert words[:2] == ["vllm", "serve"] and not words[2].startswith("--")
+    i = 3
+    while i < len(words):
+        flag = words[i]
+        assert flag in VLLM_SERVE_FLAGS, f"{flag} is not a documented vllm serve flag"
+        kind = VLLM_SERVE_FLAGS[flag]
+        if kind is None:
+            i += 1
+            continue
+        value = words[i + 1]
+        if isinstance(kind, set):
+            assert value in kind, f"{flag} {value}"
+        else:
+            kind(value)
+        i += 2
+
+
+def test_vllm_command_precision_and_schedule_flags():
+    cand = Candidate(EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=8192,
+                                  enforce_eager=True), 4,
+                     quantization="fp8", kv_cache_dtype="fp8")
+    line = vllm_command(MODEL, cand, 8192, "bfloat16")
+    for flag in ("--no-enable-chunked-prefill", "--quantization fp8", "--kv-cache-dtype fp8",
+                 "--enforce-eager"):
+        assert f" {flag}" in line
+    check_against_vllm_flags(line)
+    plain = vllm_command(MODEL, Candidate(EngineConfig(max_num_batched_tokens=8192), 1), 8192,
+                         "bfloat16")
+    assert "--quantization" not in plain and "--kv-cache-dtype" not in plain
+    assert " --enable-chunked-prefill" in plain
+    check_against_vllm_flags(plain)
+
+
+def test_vllm_command_parses_with_vllms_own_parser():
+    # vLLM is no dependency of refserve: with it installed, its own parser reads the line.
+    reason = ("vllm is not installed: the line is checked against VLLM_SERVE_FLAGS (vLLM's "
+              "documented CLI) instead")
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils", reason=reason)
+    utils = pytest.importorskip("vllm.utils", reason=reason)
+    AsyncEngineArgs, FlexibleArgumentParser = arg_utils.AsyncEngineArgs, \
+        utils.FlexibleArgumentParser
+    cand = Candidate(EngineConfig(max_num_batched_tokens=8192), 2, quantization="fp8",
+                     kv_cache_dtype="fp8")
+    words = vllm_command(MODEL, cand, 8192, "bfloat16").split()
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", words[2], *words[3:]])
+    assert args.tensor_parallel_size == 2 and args.quantization == "fp8"
+    assert args.kv_cache_dtype == "fp8" and args.enable_chunked_prefill is True
+
+
+def test_plan_prints_an_fp8_vllm_serve_line(capsys):
+    from refserve.plan import main
+
+    assert main(["--model", "llama-3-8b", "--gpu", "h100-80gb", "--workload", "random",
+                 "--input-len", "256", "--output-len", "16", "--slo-ttft-p99", "2s",
+                 "--slo-tpot-p99", "50ms", "--max-model-len", "2048", "--num-requests", "60",
+                 "--max-num-seqs", "64", "--max-num-batched-tokens", "4096",
+                 "--block-size", "16", "--gpu-memory-utilization", "0.9",
+                 "--enable-prefix-caching", "off", "--quantization", "fp8",
+                 "--kv-cache-dtype", "fp8", "--tolerance", "0.2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    line = next(x.strip() for x in out.splitlines() if x.strip().startswith("vllm serve"))
+    assert "--quantization fp8 --kv-cache-dtype fp8" in line
+    check_against_vllm_flags(line)

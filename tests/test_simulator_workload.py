@@ -1,6 +1,7 @@
 """Workloads: deterministic from a seed, the rate moves only arrival times, real shared
 prefixes, trace replay with clear errors."""
 
+import functools
 import json
 import math
 
@@ -24,16 +25,22 @@ def wl(name, n=200, rate=10.0, seed=0, **kw):
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
-def test_deterministic_and_within_max_model_len(name):
-    a, b = wl(name), wl(name)
+def test_deterministic_and_within_max_model_len(name, tmp_path):
+    make = wl
+    if name == "dataset":  # lengths from a vLLM benchmark result on disk
+        path = tmp_path / "result.json"
+        path.write_text(json.dumps({"input_lens": [8 * i + 1 for i in range(50)],
+                                    "output_lens": [i % 17 + 1 for i in range(50)]}))
+        make = functools.partial(wl, dataset_path=path)
+    a, b = make(name), make(name)
     assert [(r.arrival_time, r.prompt_token_ids, r.output_token_ids) for r in a] == \
            [(r.arrival_time, r.prompt_token_ids, r.output_token_ids) for r in b]
     assert len(a) == 200
     assert all(r.num_prompt_tokens + r.num_output_tokens <= MAX_LEN for r in a)
     assert all(1000 <= t < VOCAB for r in a for t in r.prompt_token_ids + r.output_token_ids)
     assert [r.arrival_time for r in a] == sorted(r.arrival_time for r in a)
-    assert wl(name, seed=1)[0].prompt_token_ids != a[0].prompt_token_ids
-    short = wl(name, n=20, max_model_len=300)
+    assert make(name, seed=1)[0].prompt_token_ids != a[0].prompt_token_ids
+    short = make(name, n=20, max_model_len=300)
     assert all(r.num_prompt_tokens + r.num_output_tokens <= 300 for r in short)
 
 

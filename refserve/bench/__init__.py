@@ -16,6 +16,8 @@ Scenarios (one file each in this package)
                goodput under an SLO, $ per 1M output tokens, every request accounted for
     sim-fidelity  the simulator vs the real engine: fit the cost model on a profiling run,
                then throughput / TTFT / TPOT errors on other workloads (refserve/simulator/)
+    sim-world  the simulator vs published GPU measurements (TensorRT-LLM, SGLang, vLLM):
+               predicted vs published per row, fit rows vs held-out rows (no GPU needed)
     preemption recompute vs swap preemption against context length, a pool forced to preempt
     compare    refserve beside vLLM (its own virtual environment) or any OpenAI-compatible
                server, engines interleaved: throughput, TTFT, TPOT/ITL p50/p99, prefix hits

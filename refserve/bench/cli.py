@@ -16,7 +16,7 @@ from refserve.entrypoints.cli_common import (
 )
 
 SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
-             "roofline", "loadtest", "sim-fidelity", "preemption", "compare")
+             "roofline", "loadtest", "sim-fidelity", "sim-world", "preemption", "compare")
 # The scenarios that step an engine in this process: --trace records their timelines.
 TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
           "preemption", "sim-fidelity")

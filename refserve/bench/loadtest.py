@@ -14,6 +14,13 @@ as a user would see it:
     $ / 1M      --usd-per-hour / 3600 / throughput x 1e6 (the machine rented by the hour)
 Every request has one outcome: finished (all its tokens), rejected (503, the waiting
 queue was full) or failed (anything else); finished + rejected + failed == sent.
+
+What is sent: `--workload corpus` (the default), questions about the bundled corpus with
+exponential output lengths; or the workloads of vLLM's benchmarks, the same descriptions
+`python -m refserve.simulate` takes (refserve/benchmark_datasets.py), sent as token-id
+prompts: `random` (--input-len, --output-len, --range-ratio), `sharegpt` (the built-in
+ShareGPT-like lengths) or `--dataset-path FILE` (a ShareGPT JSON or a vLLM result JSON). A
+rate of `inf` sends every request at once (offline).
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from refserve import benchmark_datasets as datasets
 from refserve.bench.common import ms, percentiles, print_table, pyplot, save_figure
 from refserve.bench.corpus import PARAGRAPHS, QUESTIONS
 from refserve.bench.servers import free_port, given, refserve_command, running
 from refserve.bench.workloads import poisson_arrivals
+from refserve.benchmark_datasets import DATASETS
 
 HELP = "the HTTP server under Poisson load: TTFT/TPOT percentiles, goodput, $/1M tokens"
 
@@ -38,6 +47,15 @@ def add_arguments(p) -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0],
                    help="request rates to sweep (requests / s)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
+    p.add_argument("--workload", "--dataset-name", default="corpus",
+                   choices=("corpus", *DATASETS),
+                   help="corpus: questions about the bundled text; random / sharegpt: "
+                   "vLLM's benchmark lengths, as token-id prompts")
+    p.add_argument("--input-len", "--random-input-len", type=int, default=1024)
+    p.add_argument("--output-len", "--random-output-len", type=int, default=128)
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--dataset-path", type=Path, default=None, metavar="JSON",
+                   help="lengths from a ShareGPT JSON or a vLLM benchmark result JSON")
     p.add_argument("--mean-output", type=int, default=64)
     p.add_argument("--max-paragraphs", type=int, default=2,
                    help="each prompt: 0..this many corpus paragraphs, then a question")
@@ -60,6 +78,27 @@ def apply_quick(args) -> None:
 
 POSITIVE = ("rates", "num_requests", "mean_output", "slo_ttft", "slo_tpot", "max_num_seqs",
             "max_waiting")
+
+
+# Token ids of the length workloads' prompts: ordinary ids of any byte-level vocabulary
+# (above the special tokens, below the smallest test model's 97).
+PROMPT_IDS = (20, 90)
+
+
+def length_requests(args, n: int, seed: int) -> list[dict] | None:
+    """The random / sharegpt / dataset workloads as token-id prompts (None: corpus)."""
+    rng = np.random.default_rng(seed)
+    if args.dataset_path is not None:
+        prompts, outputs = datasets.file_lengths(args.dataset_path, rng, n)
+    elif args.workload == "random":
+        prompts, outputs = datasets.random_lengths(rng, n, args.input_len, args.output_len,
+                                                   args.range_ratio)
+    elif args.workload == "sharegpt":
+        prompts, outputs = datasets.sharegpt_lengths(rng, n)
+    else:
+        return None
+    return [{"prompt": rng.integers(*PROMPT_IDS, int(p)).tolist(), "max_tokens": int(o)}
+            for p, o in zip(prompts, outputs)]
 
 
 def _requests(n: int, mean_output: int, max_paragraphs: int, seed: int) -> list[dict]:
@@ -207,8 +246,8 @@ def run(args) -> dict:
     rows = []
     with _server(args) as target:
         for i, rate in enumerate(args.rates):
-            reqs = _requests(args.num_requests, args.mean_output, args.max_paragraphs,
-                             args.seed + i)
+            reqs = length_requests(args, args.num_requests, args.seed + i) or _requests(
+                args.num_requests, args.mean_output, args.max_paragraphs, args.seed + i)
             arrivals = poisson_arrivals(args.num_requests, rate, args.seed + i)
             recs, wall = asyncio.run(send_requests(target.url, target.model, reqs, arrivals,
                                                    f"rate {rate:g} req/s"))

@@ -3,7 +3,7 @@
 1. FIT. A short profiling run of the real engine (this machine, the NumPy backend): batches
    of 1..16 requests with prompts of 24..500 tokens (and one of 700), so its steps range
    from one decode row to full-budget prefill chunks mixed with decodes. Every step's
-   composition and wall time (LLMEngine.observer) go to `cost_model.fit`, which sets the
+   composition and wall time (LLMEngine.observer) go to `step_fit.fit`, which sets the
    efficiencies and overheads of the "this machine" profile (peak FLOP/s and bandwidth
    measured by the roofline bench's ceilings); steps that another process interrupted
    (far slower than the fit predicts) are left out and the fit redone (`robust_fit`).
@@ -215,12 +215,12 @@ INTERRUPTED = 0.6   # a step that took more than 1 / 0.6 = 1.67x the fit's predi
 
 
 def robust_fit(cost_model, samples, rounds: int = 2):
-    """`cost_model.fit` (with a separate KV-gather efficiency), then refit without the steps
+    """`step_fit.fit` (with a separate KV-gather efficiency), then refit without the steps
     it under-predicts by more than 1 / INTERRUPTED: on a shared machine another process
     only ever adds time, and a least-squares fit follows those few interrupted steps (one
     256-token prefill measured 0.6 s in one step and 1.5 s in another). Returns the fit and
     how many steps were left out."""
-    from refserve.simulator.cost_model import fit
+    from refserve.simulator.step_fit import fit
 
     kept = list(samples)
     result = fit(cost_model, kept, separate_kv=True)

@@ -89,6 +89,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "with the NumPy default budget, else 0)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of a prompt prefix seen before")
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="decodes and prefill chunks share a step; --no-...: "
+                   "a step with prefill work runs prefills only and the decodes wait "
+                   "(vLLM V0's schedule)")
     e.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="waiting-queue order: fcfs, priority (a request's priority, lower "
                    "first) or lpm (SGLang's longest cached prefix first)")

@@ -3,8 +3,9 @@
 
     batching="static"      StaticScheduler: batches formed first come first served, and
                            preemption by recompute (config.py refuses the other choices)
-    batching="continuous"  Scheduler with the config's scheduling_policy and
-                           preemption_mode; "swap" needs the host pool (`host_pool`)
+    batching="continuous"  Scheduler with the config's scheduling_policy,
+                           preemption_mode and enable_chunked_prefill; "swap" needs the
+                           host pool (`host_pool`)
 """
 
 from __future__ import annotations
@@ -33,4 +34,5 @@ def make_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager,
     return Scheduler(*common, eos_token_id=eos_token_id,
                      long_prefill_token_threshold=config.long_prefill_token_threshold,
                      scheduling_policy=config.scheduling_policy,
-                     preemption_mode=config.preemption_mode, host_pool=host_pool)
+                     preemption_mode=config.preemption_mode, host_pool=host_pool,
+                     enable_chunked_prefill=config.enable_chunked_prefill)

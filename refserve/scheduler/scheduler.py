@@ -24,6 +24,20 @@ next query tokens. `schedule()` does, in this order:
              except by the policy's order. Admission never preempts, and a step that had to
              preempt admits nobody (the pool just proved short).
 
+Two schedules, vLLM's `enable_chunked_prefill`:
+
+    True (mixed)     as above: the decodes go first and prefill chunks fill what is left of
+                     the budget, so a long prompt never stalls a running decode for long
+                     (with a small budget or long_prefill_token_threshold: chunked).
+    False            PREFILL-FIRST, vLLM V0's schedule: a step that has prefill work runs
+                     prefills only (unfinished prefills of running sequences, then
+                     admissions, up to the token budget); every decode waits for a step
+                     without prefill work. TTFT falls (a prompt never shares its step with
+                     the decodes), and each running request's next token waits behind every
+                     prefill step: TPOT rises with the arrival rate. Unlike V0, which refuses
+                     a budget below max_model_len, a prompt longer than the budget is still
+                     split over consecutive steps (each of them prefill-only).
+
 `update()` then applies the computed step (UPDATE below) and RETIRES finished sequences,
 which give their seats and blocks back in the same step, so the next `schedule()` refills
 them. `update` is the ONLY place a sequence finishes (abort, the user's call, is the only
@@ -95,7 +109,8 @@ class Scheduler(Forking):
                  long_prefill_token_threshold: int = 0,
                  scheduling_policy: str | SchedulingPolicy = "fcfs",
                  preemption_mode: str = "recompute",
-                 host_pool: HostBlockPool | None = None) -> None:
+                 host_pool: HostBlockPool | None = None,
+                 enable_chunked_prefill: bool = True) -> None:
         check_scheduler_args(max_num_seqs, max_num_batched_tokens, max_model_len,
                              long_prefill_token_threshold, preemption_mode, host_pool)
         self.max_num_seqs = max_num_seqs
@@ -109,6 +124,7 @@ class Scheduler(Forking):
         self.policy = (scheduling_policy if isinstance(scheduling_policy, SchedulingPolicy)
                        else make_policy(scheduling_policy))
         self.preemption_mode = preemption_mode
+        self.enable_chunked_prefill = enable_chunked_prefill  # False: prefill-first steps
         self.swapper = Swapper(host_pool, kv_cache_manager) if host_pool is not None else None
 
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -191,22 +207,40 @@ class Scheduler(Forking):
     def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
         """One step's decision: ADVANCE running sequences (preempting the newest while the
         pool is short), then ADMIT waiting ones unless this step preempted. `proposals`:
-        this step's drafts by seq_id (they ride the rows they fit, drafts.py)."""
+        this step's drafts by seq_id (they ride the rows they fit, drafts.py). With
+        enable_chunked_prefill=False, `_schedule_prefill_first`."""
         out = self._begin_step()
+        if not self.enable_chunked_prefill:
+            return self._end_step(self._schedule_prefill_first(out, proposals))
         budget = self._advance(out, self.max_num_batched_tokens, proposals)
         if not out.preempted:
             self._admit(out, budget)
         return self._end_step(out)
 
+    def _schedule_prefill_first(self, out: SchedulerOutput,
+                                proposals: Mapping[int, Proposal]) -> SchedulerOutput:
+        """The prefill-first step (module docstring): first the running sequences whose
+        prefill is unfinished, then ADMIT; if that scheduled or preempted anything, the
+        decodes wait. Otherwise a decode step: ADVANCE every running sequence."""
+        budget = self._advance(out, self.max_num_batched_tokens, prefills_only=True)
+        if not out.preempted:
+            self._admit(out, budget)
+        if not out.scheduled and not out.preempted:
+            self._advance(out, self.max_num_batched_tokens, proposals)
+        return out
+
     def _advance(self, out: SchedulerOutput, budget: int,
-                 proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> int:
+                 proposals: Mapping[int, Proposal] = NO_PROPOSALS,
+                 prefills_only: bool = False) -> int:
         """ADVANCE every running sequence, in order, while budget is left (module
-        docstring). Returns the budget left."""
+        docstring); `prefills_only`: only those with more than one token left to compute.
+        Returns the budget left."""
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or (
+                    prefills_only and seq.num_tokens - seq.num_computed_tokens <= 1):
+                continue  # preempted earlier in this loop, or a decode that waits
             proposal = proposals.get(seq.seq_id)
             plan = self._plan_row(seq, budget, proposal.token_ids if proposal else ())
             while (copies := self.kv_cache_manager.allocate_slots(

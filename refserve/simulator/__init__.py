@@ -4,7 +4,10 @@ The real `Scheduler` and `KVCacheManager` run on a virtual clock; only the model
 replaced, by a roofline cost model of the step's composition on a GPU profile. Modules:
 
     hardware.py    GPU profiles (gpus.toml: every number with its source) and model shapes
-    cost_model.py  the step time: roofline terms, fitted efficiencies (`fit`)
+    cost_model.py  the step time: roofline terms, precision, the host's terms
+    engine_overheads.py, engines.toml   each serving engine's host terms, as data
+    step_fit.py    `fit` of the efficiencies to measured steps; `replay` of measured times
+    world.py, world_fit.py, measurements.toml   published GPU measurements, replayed and fitted
     workload.py    arrivals (Poisson, bursty), length distributions, shared prefixes, traces
     engine.py      `SimulatedEngine`: schedule, price, update; the real engine's metrics
     outputs.py     what the "model" emits: the next tokens; speculation's drawn acceptance
@@ -15,10 +18,11 @@ Commands: `python -m refserve.simulate` (one configuration) and `python -m refse
 top floor beside the command lines: it imports the core, and no core module imports it.
 """
 
-from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition, fit
+from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition
 from refserve.simulator.engine import SimResult, SimulatedEngine
 from refserve.simulator.hardware import GpuProfile, ModelShape, load_gpu, load_model
 from refserve.simulator.outputs import SimulatedSpeculation, SyntheticOutputs
+from refserve.simulator.step_fit import fit
 from refserve.simulator.trace import TraceRecorder
 from refserve.simulator.workload import SimRequest, load_trace, make_workload
 

@@ -24,32 +24,55 @@ and the step takes
       + 2 L [2 (p - 1) / p * T H b / link + latency]  (p > 1)       two ring all-reduces of
                                                                     the T x H activations
                                                                     per layer
-      + step_overhead + row_overhead * R                            scheduling, launches,
-                                                                    sampling
+      + launch                                                      kernel launches
+      + cpu                                                         the host's share
+
+    launch = 0 when the step replays a CUDA graph (every row a decode or a verify, at most
+             max_graph_batch rows, enforce_eager off: vLLM captures decode batches only),
+             else L * eager_layer_s: each layer's kernels launched one by one
+    cpu    = step_overhead + row_overhead * R + sample_row * N + front_end_row * N (served)
+             step_overhead: scheduling and the step's fixed host work; row_overhead:
+             preparing each scheduled row's inputs and block table; sample_row: sampling,
+             detokenizing and appending each token of the N rows that sample; front_end_row:
+             an HTTP server streaming each of those tokens (served runs only: an API server
+             process in vLLM V0 costs a third of the step, vLLM's v0.6.0 post)
+
+The host's work is added to the GPU's, not overlapped with it, as in an engine that
+schedules the next step after the last one returned (vLLM V0 without multi-step; a
+published figure from an engine that overlaps them fits a smaller cpu term).
+
+Precision. `dtype` is the activations' (and the attention's) dtype. `quantization="fp8"`
+(vLLM's --quantization fp8) stores the weights in one byte and runs the GEMMs at the GPU's
+fp8 peak; `kv_cache_dtype="fp8"` (--kv-cache-dtype fp8) stores K and V in one byte, which
+halves B_kv (and doubles the pool, engine.py); the attention still computes in `dtype`.
 
 Each `max` is one roofline: a kernel is bound by its compute or by its memory traffic,
 whichever takes longer. A decode step at batch 1 is all weight bytes (t ~ B_lin / bw); a
-2048-token prefill is all FLOPs (t ~ F_lin / peak). The efficiencies e_flops, e_bw, e_attn
-and the two overheads are the only fitted numbers (`fit`); everything else is the model's
-shape and the GPU's data sheet. e_kv, the fraction of the bandwidth the KV gather reaches,
-is e_bw unless fitted apart: streaming weights through a GEMM and gathering a paged cache
-block by block are different kernels (on the NumPy engine the gather is about 30x slower
-per byte than the weight read; bench sim-fidelity).
+2048-token prefill is all FLOPs (t ~ F_lin / peak). The efficiencies e_flops, e_bw, e_kv,
+e_attn, the all-reduce latency and the host terms are the only fitted numbers
+(step_fit.fit on measured steps; world_fit.fit on published measurements, `python -m
+refserve.bench sim-world`); everything else is the model's shape and the GPU's data sheet.
+e_kv, the fraction of the bandwidth the KV gather reaches, is e_bw unless fitted apart:
+streaming weights through a GEMM and gathering a paged cache block by block are different
+kernels (on the NumPy engine the gather is about 30x slower per byte than the weight read,
+bench sim-fidelity; on the GPUs of the published rows it is faster than the weight read).
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from refserve.capacity import DTYPE_BYTES
+from refserve.capacity import DTYPE_BYTES, kv_cache_dtype_bytes, weight_dtype_bytes
 
 if TYPE_CHECKING:
     from refserve.scheduler import SchedulerOutput
+    from refserve.simulator.engine_overheads import EngineOverheads
     from refserve.simulator.hardware import GpuProfile, ModelShape
+
+# The largest decode batch vLLM captures as a CUDA graph (its default
+# max_seq_len_to_capture aside): 512 in vLLM V1's cudagraph_capture_sizes (256 in V0).
+MAX_GRAPH_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -62,10 +85,13 @@ class StepComposition:
     context_tokens: int = 0
     attention_pairs: int = 0
 
+    num_sampling_rows: int = 0   # N: rows that sample (l > 0)
+    num_prefill_rows: int = 0    # rows with query tokens that need no logits (q > l)
+
     @classmethod
     def from_rows(cls, rows) -> StepComposition:
         """rows: (q query tokens, c context length after the step, l logits rows) each."""
-        r = t = s = c = a = 0
+        r = t = s = c = a = n = p = 0
         for q, ctx, logits in rows:
             if not 1 <= q <= ctx or not 0 <= logits <= q:
                 raise ValueError(f"a row needs 1 <= q <= c and 0 <= l <= q, got "
@@ -75,7 +101,9 @@ class StepComposition:
             s += logits
             c += ctx
             a += q * ctx - q * (q - 1) // 2
-        return cls(r, t, s, c, a)
+            n += logits > 0
+            p += q > logits
+        return cls(r, t, s, c, a, n, p)
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepComposition:
@@ -95,15 +123,22 @@ class Efficiencies:
     step_overhead_s: float
     row_overhead_s: float
     kv_bandwidth: float | None = None  # e_kv; None: the same as bandwidth
+    sample_row_s: float = 0.0      # host seconds per sampling row (sampling, detokenizing)
+    front_end_row_s: float = 0.0   # an HTTP front end's seconds per streamed token
+    eager_layer_s: float = 0.0     # launch seconds per layer of a step without a CUDA graph
 
     @property
     def kv(self) -> float:
         return self.bandwidth if self.kv_bandwidth is None else self.kv_bandwidth
 
     @classmethod
-    def of(cls, gpu: GpuProfile) -> Efficiencies:
-        return cls(gpu.flops_efficiency, gpu.bandwidth_efficiency, gpu.attention_efficiency,
-                   gpu.step_overhead_s, gpu.row_overhead_s)
+    def of(cls, gpu: GpuProfile, engine: EngineOverheads | None = None) -> Efficiencies:
+        """The GPU's efficiencies; the host terms of `engine` (engines.toml) when given,
+        else the GPU profile's own two overheads."""
+        eff = cls(gpu.flops_efficiency, gpu.bandwidth_efficiency, gpu.attention_efficiency,
+                  gpu.step_overhead_s, gpu.row_overhead_s,
+                  kv_bandwidth=gpu.kv_bandwidth_efficiency or None)
+        return eff if engine is None else engine.apply(eff)
 
 
 class CostModel:
@@ -114,7 +149,10 @@ class CostModel:
     """
 
     def __init__(self, model: ModelShape, gpu: GpuProfile, dtype: str,
-                 tensor_parallel_size: int = 1, efficiencies: Efficiencies | None = None):
+                 tensor_parallel_size: int = 1, efficiencies: Efficiencies | None = None, *,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 enforce_eager: bool = False, served: bool = False,
+                 max_graph_batch: int = MAX_GRAPH_BATCH, kv_read_per_query_head: bool = False):
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -122,15 +160,25 @@ class CostModel:
         self.model, self.gpu, self.dtype = model, gpu, dtype
         self.tp = tensor_parallel_size
         self.eff = efficiencies or Efficiencies.of(gpu)
-        self.peak = gpu.peak(dtype)
+        self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
+        self.enforce_eager, self.served = enforce_eager, served
+        self.max_graph_batch = max_graph_batch
+        b_w = weight_dtype_bytes(dtype, quantization)   # refuses an unknown quantization
+        b_kv = kv_cache_dtype_bytes(dtype, kv_cache_dtype)
+        self.gemm_dtype = "fp8" if quantization == "fp8" else dtype
+        self.peak = gpu.peak(self.gemm_dtype)   # the GEMMs'
+        self.attention_peak = gpu.peak(dtype)   # attention computes in the activations' dtype
         b = DTYPE_BYTES[dtype]
         p = self.tp
         # Per-token coefficients of the formulas, per GPU.
         self.flops_per_token = 2 * model.layer_params / p
         self.flops_per_logit = 2 * model.lm_head_params / p
-        self.weight_bytes = b * (model.layer_params + model.lm_head_params) / p
+        self.weight_bytes = b_w * (model.layer_params + model.lm_head_params) / p
         self.flops_per_pair = 4 * model.num_layers * model.attention_width / p
-        self.kv_bytes_per_token = model.kv_bytes_per_token(b, p)
+        self.kv_read_per_query_head = kv_read_per_query_head
+        # An engine without a grouped-query kernel reads each KV head once per query head.
+        group = model.num_heads // model.num_kv_heads if kv_read_per_query_head else 1
+        self.kv_bytes_per_token = model.kv_bytes_per_token(b_kv, p) * group
         self.allreduce_bytes_per_token = model.hidden_size * b
         self.num_allreduces = 2 * model.num_layers if p > 1 else 0
 
@@ -149,6 +197,22 @@ class CostModel:
                                 * comp.num_tokens * self.allreduce_bytes_per_token),
         }
 
+    def graphed(self, comp: StepComposition) -> bool:
+        """Whether the step replays a CUDA graph: decode / verify rows only (every query
+        token needs logits), at most max_graph_batch of them, enforce_eager off."""
+        return (not self.enforce_eager and comp.num_prefill_rows == 0
+                and comp.num_rows <= self.max_graph_batch)
+
+    def host_terms(self, comp: StepComposition) -> dict[str, float]:
+        """The launch and cpu terms (module docstring), in seconds."""
+        e = self.eff
+        n = comp.num_sampling_rows
+        return {
+            "launch": 0.0 if self.graphed(comp) else self.model.num_layers * e.eager_layer_s,
+            "cpu": (e.step_overhead_s + e.row_overhead_s * comp.num_rows + e.sample_row_s * n
+                    + (e.front_end_row_s * n if self.served else 0.0)),
+        }
+
     def terms(self, comp: StepComposition) -> dict[str, float]:
         """Seconds of each term of the step time; their sum is `time(comp)`."""
         w = self.work(comp)
@@ -161,11 +225,49 @@ class CostModel:
                     + self.num_allreduces * gpu.allreduce_latency_s)
         return {
             "linear": max(w["linear_flops"] / compute, w["linear_bytes"] / memory),
-            "attention": max(w["attention_flops"] / (self.peak * e.attention),
+            "attention": max(w["attention_flops"] / (self.attention_peak * e.attention),
                              w["kv_bytes"] / (gpu.memory_bandwidth * e.kv)),
             "allreduce": comm,
-            "overhead": e.step_overhead_s + e.row_overhead_s * comp.num_rows,
+            **self.host_terms(comp),
         }
+
+    def features(self, comp: StepComposition) -> tuple[float, dict[str, float]]:
+        """The step time as `constant + sum(coefficient * value)`, linear in the fitted
+        numbers once each roofline's side is chosen (at the current efficiencies):
+
+            value of "flops", "bandwidth", "attention", "kv_bandwidth": 1 / efficiency
+            value of "allreduce_latency_s" and of each host term: seconds
+
+        so that `time(comp) == constant + sum(coef[k] * value[k])` (`fitted_values`). The
+        constant is the all-reduces' bytes over the link."""
+        w, e, gpu = self.work(comp), self.eff, self.gpu
+        bw = gpu.memory_bandwidth
+        f_lin, b_lin = w["linear_flops"] / self.peak, w["linear_bytes"] / bw
+        f_att, b_kv = w["attention_flops"] / self.attention_peak, w["kv_bytes"] / bw
+        lin_compute = f_lin / e.flops >= b_lin / e.bandwidth
+        att_compute = f_att / e.attention >= b_kv / e.kv
+        coef = dict.fromkeys(("flops", "bandwidth", "attention", "kv_bandwidth"), 0.0)
+        coef["flops" if lin_compute else "bandwidth"] += f_lin if lin_compute else b_lin
+        kv_key = "bandwidth" if e.kv_bandwidth is None else "kv_bandwidth"
+        coef["attention" if att_compute else kv_key] += f_att if att_compute else b_kv
+        n = comp.num_sampling_rows
+        coef.update(allreduce_latency_s=float(self.num_allreduces), step_overhead_s=1.0,
+                    row_overhead_s=float(comp.num_rows), sample_row_s=float(n),
+                    front_end_row_s=float(n) if self.served else 0.0,
+                    eager_layer_s=0.0 if self.graphed(comp) else float(self.model.num_layers))
+        constant = (w["allreduce_bytes"] / gpu.interconnect_bandwidth if self.num_allreduces
+                    else 0.0)
+        return constant, coef
+
+    def fitted_values(self) -> dict[str, float]:
+        """The values `features` multiplies (1 / efficiency, or seconds)."""
+        e = self.eff
+        return {"flops": 1 / e.flops, "bandwidth": 1 / e.bandwidth,
+                "attention": 1 / e.attention, "kv_bandwidth": 1 / e.kv,
+                "allreduce_latency_s": self.gpu.allreduce_latency_s,
+                **{k: getattr(e, k) for k in ("step_overhead_s", "row_overhead_s",
+                                              "sample_row_s", "front_end_row_s",
+                                              "eager_layer_s")}}
 
     def time(self, comp: StepComposition) -> float:
         if comp.num_rows == 0:
@@ -176,155 +278,33 @@ class CostModel:
         """Seconds the scheduler step `out` takes on this hardware."""
         return self.time(StepComposition.of(out))
 
-    def with_efficiencies(self, eff: Efficiencies) -> CostModel:
-        return CostModel(self.model, self.gpu, self.dtype, self.tp, eff)
+    def with_efficiencies(self, eff: Efficiencies, gpu: GpuProfile | None = None
+                          ) -> CostModel:
+        """The same model, precision and engine settings with other efficiencies (and,
+        given one, another GPU profile)."""
+        return CostModel(self.model, gpu or self.gpu, self.dtype, self.tp, eff,
+                         quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+                         enforce_eager=self.enforce_eager, served=self.served,
+                         max_graph_batch=self.max_graph_batch,
+                         kv_read_per_query_head=self.kv_read_per_query_head)
 
     def describe(self) -> str:
         e = self.eff
         kv = "" if e.kv_bandwidth is None else f" (KV gather {e.kv_bandwidth:.1%})"
-        return (f"cost model: {self.tp} x {self.gpu.name}, {self.dtype}; GEMM "
+        precision = "".join([f", weights {self.quantization}" if self.quantization else "",
+                             f", KV cache {self.kv_cache_dtype}"
+                             if self.kv_cache_dtype != "auto" else ""])
+        return (f"cost model: {self.tp} x {self.gpu.name}, {self.dtype}{precision}; GEMM "
                 f"{e.flops:.0%} of {self.peak / 1e12:.3g} TFLOP/s, bandwidth {e.bandwidth:.0%}"
                 f"{kv} of {self.gpu.memory_bandwidth / 1e9:.0f} GB/s, attention "
-                f"{e.attention:.0%}, "
-                f"overhead {e.step_overhead_s * 1e3:.2f} ms + {e.row_overhead_s * 1e6:.1f} "
-                f"us/row")
+                f"{e.attention:.0%}, all-reduce {self.gpu.allreduce_latency_s * 1e6:.1f} us; "
+                f"host {e.step_overhead_s * 1e3:.2f} ms/step + {e.row_overhead_s * 1e6:.1f} "
+                f"us/row + {e.sample_row_s * 1e6:.1f} us/sampled row"
+                + (f" + {e.front_end_row_s * 1e6:.1f} us/streamed token" if self.served
+                   else "")
+                + (", eager (no CUDA graphs)" if self.enforce_eager else
+                   f", CUDA graphs for decode batches <= {self.max_graph_batch}")
+                + f", eager launch {e.eager_layer_s * 1e6:.1f} us/layer")
 
 
-# ---- fitting the efficiencies ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FitResult:
-    cost_model: CostModel
-    num_samples: int
-    rms_relative_error: float
-    max_relative_error: float
-    iterations: int
-
-
-def fit(cost_model: CostModel, profile, max_iterations: int = 50,
-        separate_kv: bool = False) -> FitResult:
-    """Fit the efficiencies and overheads of `cost_model` to measured steps.
-
-    `profile`: (StepComposition, seconds) pairs of one model at one tensor-parallel degree.
-    Writing x_f = 1 / (peak e_flops), x_b = 1 / (bandwidth e_bw), x_a = 1 / (peak e_attn),
-    x_k = 1 / (bandwidth e_kv) (= x_b unless `separate_kv`), the model is
-
-        t = max(F_lin x_f, B_lin x_b) + max(F_att x_a, B_kv x_k) + o_step + o_row R + comm
-
-    Which side of each `max` binds is the roofline's question. Given that choice per sample,
-    t is linear in theta = (x_f, x_a, x_b, o_step, o_row, x_k), so this alternates:
-
-        1. with the current theta, mark each sample's GEMMs and attention compute- or
-           memory-bound;
-        2. solve the least-squares problem on RELATIVE errors (each equation divided by
-           the measured t, so a 30 ms prefill and a 3 ms decode count alike) with
-           theta >= 0: the best of the unconstrained solutions on every support (there
-           are only 2^6 of them);
-        3. stop when the marks no longer change.
-
-    A parameter no sample exercises (its column is all zero, e.g. attention compute in a
-    profile of pure decodes) keeps its prior value. An efficiency above 1 means the peak in
-    the profile is too low for this machine. The start point is the cost model's own
-    efficiencies, so the fit refines the priors.
-    """
-    samples = [(c, float(t)) for c, t in profile]
-    if len(samples) < 2:
-        raise ValueError(f"fit needs at least 2 measured steps, got {len(samples)}")
-    if any(t <= 0 for _, t in samples):
-        raise ValueError("fit: every measured step time must be > 0 seconds")
-    gpu, e = cost_model.gpu, cost_model.eff
-    peak, bw = cost_model.peak, gpu.memory_bandwidth
-    works = [cost_model.work(c) for c, _ in samples]
-    f_lin = np.array([w["linear_flops"] / peak for w in works])
-    b_lin = np.array([w["linear_bytes"] / bw for w in works])
-    f_att = np.array([w["attention_flops"] / peak for w in works])
-    b_kv = np.array([w["kv_bytes"] / bw for w in works])
-    rows = np.array([c.num_rows for c, _ in samples], dtype=float)
-    t = np.array([s for _, s in samples])
-    comm = np.array([cost_model.terms(c)["allreduce"] for c, _ in samples])
-    theta = np.array([1 / e.flops, 1 / e.attention, 1 / e.bandwidth, e.step_overhead_s,
-                      e.row_overhead_s, 1 / e.kv])
-    marks, iterations = None, 0
-    while iterations < max_iterations:
-        iterations += 1
-        lin_compute = f_lin * theta[0] >= b_lin * theta[2]
-        att_compute = f_att * theta[1] >= b_kv * theta[5]
-        new_marks = (tuple(lin_compute), tuple(att_compute))
-        if new_marks == marks:
-            break
-        marks = new_marks
-        kv = np.where(att_compute, 0.0, b_kv)
-        x = np.stack([np.where(lin_compute, f_lin, 0.0), np.where(att_compute, f_att, 0.0),
-                      np.where(lin_compute, 0.0, b_lin) + (0.0 if separate_kv else kv),
-                      np.ones_like(t), rows, kv if separate_kv else np.zeros_like(t)],
-                     axis=1)
-        theta = _nonnegative_lstsq(x / t[:, None], (t - comm) / t, theta)
-        if not separate_kv:
-            theta[5] = theta[2]
-    fitted = Efficiencies(flops=1 / theta[0], attention=1 / theta[1], bandwidth=1 / theta[2],
-                          step_overhead_s=float(theta[3]), row_overhead_s=float(theta[4]),
-                          kv_bandwidth=float(1 / theta[5]) if separate_kv else None)
-    model = cost_model.with_efficiencies(fitted)
-    predicted = np.array([model.time(c) for c, _ in samples])
-    rel = (predicted - t) / t
-    return FitResult(model, len(samples), float(np.sqrt(np.mean(rel**2))),
-                     float(np.max(np.abs(rel))), iterations)
-
-
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, prior: np.ndarray,
-                       ridge: float = 1e-6) -> np.ndarray:
-    """argmin ||x theta - y||^2 + ridge ||u - u_prior||^2 over theta >= 0, u being theta in
-    units where each column of x has norm 1: the best unconstrained solution over every
-    support that comes out nonnegative. The tiny ridge only matters where the data cannot
-    tell parameters apart (e.g. a fixed overhead and the weight read of decodes that all
-    read the same weights): among equally good fits it picks the one nearest the prior.
-    Columns that are all zero keep `prior`; an efficiency is never set to infinity (a
-    theta of 0 for x_f, x_a or x_b falls back to the prior)."""
-    used = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
-    fixed = [j for j in range(x.shape[1]) if j not in used]
-    target = y - x[:, fixed] @ prior[fixed] if fixed else y
-    norms = np.linalg.norm(x[:, used], axis=0)
-    xs = x[:, used] / norms
-    u_prior = prior[used] * norms
-    best, best_err = None, np.inf
-    for size in range(len(used), 0, -1):
-        for support in itertools.combinations(range(len(used)), size):
-            cols = list(support)
-            a = np.vstack([xs[:, cols], np.sqrt(ridge) * np.eye(len(cols))])
-            b = np.concatenate([target, np.sqrt(ridge) * u_prior[cols]])
-            sol, *_ = np.linalg.lstsq(a, b, rcond=None)
-            if np.any(sol < 0):
-                continue
-            off = [k for k in range(len(used)) if k not in support]
-            err = float(np.sum((a @ sol - b) ** 2) + ridge * np.sum(u_prior[off] ** 2))
-            if err < best_err:
-                best, best_err = dict(zip(cols, sol)), err
-    theta = prior.copy()
-    for k, j in enumerate(used):
-        value = best.get(k, 0.0) / norms[k] if best is not None else prior[j]
-        theta[j] = value if value > 0 or j in (3, 4) else prior[j]
-    return theta
-
-
-def replay(step_times) -> ReplayedSteps:
-    """A stand-in cost model that returns measured step times in order (for checking the
-    simulator's schedule against a real run fed the same times)."""
-    return ReplayedSteps(list(step_times))
-
-
-@dataclass
-class ReplayedSteps:
-    times: list[float]
-    index: int = 0
-
-    def step_time(self, out) -> float:
-        if self.index >= len(self.times):
-            raise ValueError(f"replay: the simulation ran more steps than the "
-                             f"{len(self.times)} measured ones")
-        self.index += 1
-        return self.times[self.index - 1]
-
-
-__all__ = ["CostModel", "Efficiencies", "FitResult", "ReplayedSteps", "StepComposition",
-           "fit", "replay"]
+__all__ = ["CostModel", "Efficiencies", "StepComposition"]

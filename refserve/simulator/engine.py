@@ -43,7 +43,8 @@ from refserve.metrics import RequestMetrics, RunSummary, summarize
 from refserve.sampling_params import SamplingParams
 from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import Sequence
-from refserve.simulator.cost_model import CostModel
+from refserve.simulator.cost_model import CostModel, Efficiencies
+from refserve.simulator.engine_overheads import DEFAULT_ENGINE, EngineOverheads, load_engine
 from refserve.simulator.hardware import GpuProfile, ModelShape
 from refserve.simulator.outputs import SimulatedSpeculation, SyntheticOutputs, draft_model_shape
 from refserve.simulator.workload import SimRequest
@@ -59,18 +60,24 @@ def resolve_dtype(dtype: str, gpu: GpuProfile, model: ModelShape) -> str:
 
 def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype: str,
                  tensor_parallel_size: int, max_model_len: int, block_size: int,
-                 draft: ModelShape | None = None, draft_has_own_weights: bool = False
+                 draft: ModelShape | None = None, draft_has_own_weights: bool = False, *,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"
                  ) -> tuple[int, str]:
     """(KV blocks per GPU, what sized them), by the real engine's rule (module docstring).
     With a `draft` model (its own weights too, unless it is the target's first layers) both
     caches get the same number of
-    blocks (the memory split by bytes per token). Raises ValueError when the weights do not
-    fit or the pool cannot hold one sequence."""
+    blocks (the memory split by bytes per token). `quantization="fp8"`: one byte per weight;
+    `kv_cache_dtype="fp8"`: one byte per K or V element, so the same memory holds twice
+    the blocks of a 16-bit cache. Raises ValueError when the weights do not fit or the pool
+    cannot hold one sequence."""
     b = capacity.DTYPE_BYTES[dtype]
+    b_w = capacity.weight_dtype_bytes(dtype, quantization)
+    b_kv = capacity.kv_cache_dtype_bytes(dtype, kv_cache_dtype)
     tp = tensor_parallel_size
-    bytes_per_block = capacity.kv_bytes_per_block(model.kv_bytes_per_token(b, tp), block_size)
+    bytes_per_block = capacity.kv_bytes_per_block(model.kv_bytes_per_token(b_kv, tp),
+                                                  block_size)
     if draft is not None:
-        bytes_per_block += capacity.kv_bytes_per_block(draft.kv_bytes_per_token(b, tp),
+        bytes_per_block += capacity.kv_bytes_per_block(draft.kv_bytes_per_token(b_kv, tp),
                                                        block_size)
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
@@ -84,9 +91,9 @@ def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype
             tokens = resolve_max_num_batched_tokens(config.max_num_batched_tokens, "cupy")
             activations = (tokens * (4 * model.hidden_size + 2 * model.intermediate_size) * b
                            // tp + min(tokens, config.max_num_seqs) * model.vocab_size * 4)
-            weights = model.total_params * b // tp
+            weights = model.total_params * b_w // tp
             if draft is not None and draft_has_own_weights:
-                weights += draft.total_params * b // tp
+                weights += draft.total_params * b_w // tp
             try:
                 num_blocks = capacity.num_blocks_for_memory(
                     gpu.memory_bytes, config.gpu_memory_utilization,
@@ -130,10 +137,18 @@ class SimulatedEngine:
     def __init__(self, model: ModelShape, gpu: GpuProfile, config: EngineConfig | None = None,
                  *, tensor_parallel_size: int = 1, cost_model=None,
                  outputs: SyntheticOutputs | None = None, spec_alpha: float = 0.7,
-                 spec_seed: int = 0, **kwargs) -> None:
+                 spec_seed: int = 0, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto",
+                 engine: EngineOverheads | str | None = DEFAULT_ENGINE,
+                 served: bool = False, **kwargs) -> None:
         """`config`: the real engine's EngineConfig (vLLM's knob names); or its fields as
         keywords. `cost_model`: anything with `step_time(out) -> seconds` (default: the
-        roofline CostModel of this model on tensor_parallel_size x gpu). With a
+        roofline CostModel of this model on tensor_parallel_size x gpu, with `engine`'s
+        host terms (an engines.toml entry or its key, by default vLLM's; None, and always
+        on the host profile: the profile's own two overheads), its
+        HTTP front end when `served`, and config.enforce_eager). `quantization` and
+        `kv_cache_dtype`: vLLM's --quantization fp8 and --kv-cache-dtype fp8 (weights,
+        KV cache in one byte: the pool and the cost model both see them). With a
         speculative_config, `spec_alpha` is the acceptance rate of requests that do not
         set their own (SimRequest.spec_alpha) and `spec_seed` seeds the accept draws."""
         config = config or EngineConfig(**kwargs)
@@ -170,21 +185,32 @@ class SimulatedEngine:
         contiguous = config.kv_cache_layout == "contiguous"
         self.block_size = self.max_model_len if contiguous else config.block_size
         draft = draft_model_shape(spec, model) if runs_a_model else None
+        self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
+        if isinstance(engine, str):
+            engine = load_engine(engine) if gpu.kind == "gpu" else None
         self.num_blocks, self.pool_sized_by = size_kv_pool(
             model, gpu, config, self.dtype, tensor_parallel_size, self.max_model_len,
-            self.block_size, draft, draft is not None and spec.options["model"] != "self")
+            self.block_size, draft, draft is not None and spec.options["model"] != "self",
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, self.block_size,
             enable_prefix_caching=config.enable_prefix_caching and not contiguous,
             prefix_caching_policy=config.prefix_caching_policy)
         self.scheduler = make_scheduler(config, self.kv_cache_manager, self.max_model_len,
                                         model.eos_token_id)
-        self.cost_model = cost_model or CostModel(model, gpu, self.dtype, tensor_parallel_size)
+        self.cost_model = cost_model or CostModel(
+            model, gpu, self.dtype, tensor_parallel_size, Efficiencies.of(gpu, engine),
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=config.enforce_eager, served=served,
+            kv_read_per_query_head=engine is not None and engine.kv_read_per_query_head)
         if spec is not None:
             outputs = SimulatedSpeculation(spec, self.cost_model, self.max_model_len,
                                            config.max_num_batched_tokens, spec_alpha,
                                            spec_seed)
         self.outputs = outputs or SyntheticOutputs()
+        # A served run's HTTP front end holds each request this long before the engine
+        # sees it (receiving, parsing, tokenizing): part of its TTFT.
+        self.front_end_request_s = engine.front_end_request_s if served and engine else 0.0
         self.clock = 0.0
         self.metrics: dict[str, RequestMetrics] = {}
 
@@ -196,7 +222,11 @@ class SimulatedEngine:
                 f"{self.config.max_num_batched_tokens}, prefix caching "
                 f"{'on' if self.kv_cache_manager.enable_prefix_caching else 'off'}, "
                 f"max_model_len {self.max_model_len}, tensor parallel "
-                f"{self.tensor_parallel_size}" + self._describe_speculation())
+                f"{self.tensor_parallel_size}, chunked prefill "
+                f"{'on' if self.config.enable_chunked_prefill else 'off (prefill-first)'}"
+                + (f", weights {self.quantization}" if self.quantization else "")
+                + (f", KV cache {self.kv_cache_dtype}" if self.kv_cache_dtype != "auto"
+                   else "") + self._describe_speculation())
 
     def _describe_speculation(self) -> str:
         spec = self.config.speculative_config
@@ -232,6 +262,7 @@ class SimulatedEngine:
         check_invariants  kv_cache_manager.check_invariants() after every step (tests)
         """
         requests = sorted(requests, key=lambda r: r.arrival_time)
+        delay = self.front_end_request_s
         self.check_requests(requests)
         sched, kv = self.scheduler, self.kv_cache_manager
         step_time, outputs = self.cost_model.step_time, self.outputs
@@ -249,9 +280,9 @@ class SimulatedEngine:
             bar = tqdm(total=len(requests), unit="req", desc="simulating", mininterval=0.5)
         peak, i, n, stopped = 0, 0, len(requests), False
         wall0 = time.perf_counter()
-        now = self.clock = requests[0].arrival_time if requests else 0.0
+        now = self.clock = requests[0].arrival_time + delay if requests else 0.0
         while True:
-            while i < n and requests[i].arrival_time <= now:
+            while i < n and requests[i].arrival_time + delay <= now:
                 r = requests[i]
                 seq = Sequence(r.request_id, r.prompt_token_ids,
                                SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True),
@@ -267,7 +298,7 @@ class SimulatedEngine:
             if not sched.has_unfinished():
                 if i == n:
                     break
-                now = requests[i].arrival_time  # idle until the next arrival
+                now = requests[i].arrival_time + delay  # idle until the next arrival
                 continue
             proposals, draft_seconds = outputs.propose(sched.running, request_of)
             out = sched.schedule(proposals)  # raises if it could schedule nothing

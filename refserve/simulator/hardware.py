@@ -2,9 +2,9 @@
 
 A `GpuProfile` is data: memory, dense peak FLOP/s per dtype, memory bandwidth, interconnect
 and host-link bandwidth, an hourly price, and the cost model's efficiencies (priors until
-`cost_model.fit` measures them). The built-in profiles live in `gpus.toml` beside this file,
-each number with the source it was taken from; every one of them is an assumption the user
-can override:
+`step_fit.fit` or bench sim-world measures them). The built-in profiles live in `gpus.toml`
+beside this file, each number with the source it was taken from; every one of them is an
+assumption the user can override:
 
     load_gpu("h100-80gb")                                   a built-in profile
     load_gpu("my-gpu", hardware_file="gpus.toml")           a profile from the user's file
@@ -52,6 +52,9 @@ class GpuProfile:
     # "gpu": the KV pool is sized by gpu_memory_utilization of memory_bytes, like vLLM;
     # "host": by kv_cache_memory_bytes, like refserve's NumPy backend.
     kind: str = "gpu"
+    # e_kv: the fraction of the bandwidth the paged KV gather reaches, when it differs from
+    # the weight read's (0: the same as bandwidth_efficiency)
+    kv_bandwidth_efficiency: float = 0.0
     source: dict[str, str] = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
@@ -75,8 +78,10 @@ class GpuProfile:
             f"  ${self.usd_per_hour:.2f}/hour ({src.get('usd_per_hour', '')})",
             f"  efficiencies: GEMM {self.flops_efficiency:.0%}, bandwidth "
             f"{self.bandwidth_efficiency:.0%}, attention {self.attention_efficiency:.0%}, "
-            f"overhead {self.step_overhead_s * 1e3:.2f} ms/step + "
-            f"{self.row_overhead_s * 1e6:.1f} us/row ({src.get('efficiencies', '')})",
+            + (f"overhead {self.step_overhead_s * 1e3:.2f} ms/step + "
+               f"{self.row_overhead_s * 1e6:.1f} us/row" if self.kind == "host" else
+               "host terms from the engine profile (engines.toml)")
+            + f" ({src.get('efficiencies', '')})",
         ]
 
 
@@ -85,7 +90,7 @@ _NUMBERS = [name for name, f in _FIELDS.items()
             if f.type in ("int", "float") and name != "key"]
 
 
-def _read_table_file(path: Path) -> dict:
+def read_table_file(path: Path) -> dict:
     """A TOML or JSON file of profiles: {key: {field: value, ..., "source": {...}}}."""
     if not path.is_file():
         raise ValueError(f"hardware file {path} does not exist")
@@ -115,13 +120,13 @@ def _read_table_file(path: Path) -> dict:
 
 
 def builtin_gpus() -> dict[str, dict]:
-    return _read_table_file(PROFILES_FILE)
+    return read_table_file(PROFILES_FILE)
 
 
 def gpu_names(hardware_file: Path | None = None) -> list[str]:
     names = list(builtin_gpus())
     if hardware_file is not None:
-        names += [k for k in _read_table_file(Path(hardware_file)) if k not in names]
+        names += [k for k in read_table_file(Path(hardware_file)) if k not in names]
     return names + [THIS_MACHINE]
 
 
@@ -143,6 +148,10 @@ def _profile(key: str, table: dict, origin: str) -> GpuProfile:
     for name in ("memory_bytes", "memory_bandwidth"):
         if not values[name] > 0:
             raise ValueError(f"GPU profile {key!r}: {name} must be > 0")
+    kv = values.get("kv_bandwidth_efficiency", 0.0)
+    if not 0 <= kv <= 1:
+        raise ValueError(f"GPU profile {key!r}: kv_bandwidth_efficiency={kv!r} must be in "
+                         "[0, 1] (0: the same as bandwidth_efficiency)")
     for name in ("flops_efficiency", "bandwidth_efficiency", "attention_efficiency"):
         if not 0 < values[name] <= 1:
             raise ValueError(f"GPU profile {key!r}: {name}={values[name]!r} must be in (0, 1]")
@@ -163,7 +172,7 @@ def load_gpu(key: str, hardware_file: Path | None = None,
     tables = builtin_gpus()
     origin = "built-in"
     if hardware_file is not None:
-        for name, table in _read_table_file(Path(hardware_file)).items():
+        for name, table in read_table_file(Path(hardware_file)).items():
             tables[name] = {**tables.get(name, {}), **table}
             if name == key:
                 origin = str(hardware_file)
@@ -191,7 +200,7 @@ def apply_overrides(profile: GpuProfile, overrides: dict[str, float] | None) -> 
             values[name] = value
             values["source"][name] = "given by the user"
             if name in ("flops_efficiency", "bandwidth_efficiency", "attention_efficiency",
-                        "step_overhead_s", "row_overhead_s"):
+                        "kv_bandwidth_efficiency", "step_overhead_s", "row_overhead_s"):
                 values["source"]["efficiencies"] = "given by the user"
         else:
             raise ValueError(f"cannot override {name!r}: fields are {', '.join(_NUMBERS)} "
@@ -291,4 +300,8 @@ def load_model(model: str) -> ModelShape:
 # Hugging Face ids of the presets, for the `vllm serve` line `plan` prints.
 HF_IDS = {"llama-3-8b": "meta-llama/Meta-Llama-3-8B-Instruct",
           "llama-3-70b": "meta-llama/Meta-Llama-3-70B-Instruct",
+          "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+          "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+          "llama-2-7b": "meta-llama/Llama-2-7b-chat-hf",
+          "llama-2-70b": "meta-llama/Llama-2-70b-chat-hf",
           "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}

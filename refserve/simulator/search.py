@@ -118,15 +118,19 @@ class Saturation:
 
 @dataclass
 class Candidate:
-    """A configuration to plan: the engine knobs and the tensor-parallel degree."""
+    """A configuration to plan: the engine knobs, the tensor-parallel degree and the
+    precision (vLLM's --quantization and --kv-cache-dtype)."""
 
     config: EngineConfig
     tensor_parallel_size: int
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def key(self) -> tuple:
         c = self.config
         return (self.tensor_parallel_size, c.max_num_seqs, c.max_num_batched_tokens,
-                c.block_size, c.gpu_memory_utilization, c.enable_prefix_caching)
+                c.block_size, c.gpu_memory_utilization, c.enable_prefix_caching,
+                c.enable_chunked_prefill, self.quantization, self.kv_cache_dtype)
 
 
 @dataclass
@@ -143,12 +147,17 @@ class Planner:
     tolerance: float = 0.05
     max_simulations: int | None = None
     on_simulation: object = None  # called with (candidate, Evaluation) after each one
+    engine_overheads: object = "vllm"  # an engines.toml entry or key; None: the GPU's own
+    served: bool = False             # price an HTTP front end per streamed token
     simulations: int = 0
     evaluations: dict = field(default_factory=dict)
 
     def engine(self, cand: Candidate) -> SimulatedEngine:
         return SimulatedEngine(self.model, self.gpu, cand.config,
-                               tensor_parallel_size=cand.tensor_parallel_size)
+                               tensor_parallel_size=cand.tensor_parallel_size,
+                               quantization=cand.quantization,
+                               kv_cache_dtype=cand.kv_cache_dtype,
+                               engine=self.engine_overheads, served=self.served)
 
     def evaluate(self, cand: Candidate, rate: float, seed: int | None = None) -> Evaluation:
         """Simulate `cand` at `rate` on the workload of `seed`; the percentiles are those of
@@ -249,8 +258,7 @@ class Planner:
         seen = {start.key()}
         for name, values in knobs.items():
             for value in values:
-                cand = Candidate(replace(best.config, **{name: value}),
-                                 best.tensor_parallel_size)
+                cand = _with(best, name, value)
                 if cand.key() in seen:
                     continue
                 seen.add(cand.key())
@@ -276,3 +284,13 @@ class Planner:
                 return evs[0]
             rate *= 1 - headroom
         return None
+
+
+PRECISION_KNOBS = ("quantization", "kv_cache_dtype")
+
+
+def _with(cand: Candidate, name: str, value) -> Candidate:
+    """`cand` with one knob changed: an EngineConfig field or a precision knob."""
+    if name in PRECISION_KNOBS:
+        return replace(cand, **{name: value})
+    return replace(cand, config=replace(cand.config, **{name: value}))

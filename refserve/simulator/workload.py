@@ -22,6 +22,11 @@ Workloads (token counts; "LN(m, s)" is a lognormal with mean m and sigma s, clip
     branching       trees: a 512-1024-token document, 2-4 branches of 64-256 tokens, 1-3
                     questions of 16-64 tokens per branch; the requests of a tree arrive
                     together (a radix of shared prefixes)
+    random          vLLM's random dataset: input_len and output_len tokens, each spread
+                    uniformly by +-range_ratio (refserve/benchmark_datasets.py)
+    sharegpt        the built-in ShareGPT-like lengths (benchmark_datasets.SHAREGPT)
+    dataset         the lengths of a ShareGPT JSON or a vLLM benchmark result JSON on disk
+                    (`dataset_path`)
     trace           replay of a JSONL file (`load_trace`)
 
 Output lengths are fixed by the workload (the model's tokens are not simulated): a request
@@ -39,9 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
+from refserve import benchmark_datasets as datasets
+
 ARRIVALS = ("poisson", "bursty")
 WORKLOADS = ("chat", "long-document", "long-context", "system-prompt", "multi-turn",
-             "branching")
+             "branching", "random", "sharegpt", "dataset")
 SYSTEM_PROMPT_TOKENS = 1500
 
 
@@ -124,18 +131,35 @@ def _fit(prompt: list[int], output: list[int], max_model_len: int
 
 def make_workload(name: str, num_requests: int, rate: float, *, vocab_size: int,
                   max_model_len: int, seed: int = 0, arrival: str = "poisson",
-                  burstiness: float = 4.0) -> list[SimRequest]:
+                  burstiness: float = 4.0, input_len: int = 1024, output_len: int = 128,
+                  range_ratio: float = 0.0, dataset_path: Path | None = None,
+                  count_tokens=None) -> list[SimRequest]:
     """`num_requests` requests of workload `name` (see the module docstring), sorted by
-    arrival time, each cut to fit max_model_len."""
+    arrival time, each cut to fit max_model_len. input_len, output_len, range_ratio:
+    "random"'s; dataset_path (and count_tokens, a tokenizer for a ShareGPT file's text):
+    "dataset"'s."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)} "
                          "(or replay a JSONL trace)")
     if not isinstance(num_requests, int) or num_requests < 1:
         raise ValueError(f"num_requests={num_requests!r}: must be an integer >= 1")
+    if name == "dataset" and dataset_path is None:
+        raise ValueError("workload 'dataset' needs a dataset_path (--dataset-path FILE)")
     rng_arrival, rng_len, rng_tok = _streams(seed)
     tokens = _Tokens(rng_tok, vocab_size)
     n = num_requests
-    if name in ("chat", "system-prompt", "long-document", "long-context"):
+    if name in ("random", "sharegpt", "dataset"):
+        times = arrival_times(n, rate, rng_arrival, arrival, burstiness)
+        if name == "random":
+            prompt_lens, output_lens = datasets.random_lengths(rng_len, n, input_len,
+                                                               output_len, range_ratio)
+        elif name == "sharegpt":
+            prompt_lens, output_lens = datasets.sharegpt_lengths(rng_len, n)
+        else:
+            prompt_lens, output_lens = datasets.file_lengths(dataset_path, rng_len, n,
+                                                             count_tokens)
+        specs = [(times[i], tokens(prompt_lens[i]), tokens(output_lens[i])) for i in range(n)]
+    elif name in ("chat", "system-prompt", "long-document", "long-context"):
         times = arrival_times(n, rate, rng_arrival, arrival, burstiness)
         if name == "long-document":
             prompt_lens = rng_len.integers(2048, 6145, n)
