@@ -217,7 +217,7 @@ def metrics_shape(llm) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--check-with", metavar="PYTHON",
