@@ -52,6 +52,7 @@ from refserve.scheduler.drafts import Proposals, verify_inputs
 from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
+from refserve.speculation.cost_probe import dense_seconds
 from refserve.speculation.draft_model import DraftModelProposer, load_draft_model
 from refserve.speculation.proposer import NgramProposer
 from refserve.speculation.speculator import Speculator
@@ -118,7 +119,7 @@ class LLMEngine(RequestIntake):
         self.runner = ModelRunner(self.model, self.backend, num_blocks, self.block_size,
                                   enforce_eager=config.enforce_eager,
                                   num_host_blocks=self.num_host_blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.backend)
         # Speculative decoding: the propose stage (None: every row samples one token).
         self.speculator = None
         if spec is not None:
@@ -127,7 +128,8 @@ class LLMEngine(RequestIntake):
                         DraftModelProposer(draft_model, self.backend, num_blocks,
                                            self.block_size, draft_cost))
             adaptive = AdaptiveSpeculation(spec.k, draft_cost, enabled=spec.adaptive)
-            adaptive.calibrate(self.model, config.max_num_batched_tokens)  # verify cost
+            adaptive.calibrate(lambda rows, repeats: dense_seconds(self.model, rows, repeats),
+                               config.max_num_batched_tokens)  # the verify step's cost
             self.speculator = Speculator(proposer, adaptive, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()

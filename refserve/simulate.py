@@ -107,7 +107,7 @@ def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
     r.add_argument("--batching", default="continuous", choices=BATCHING)
     r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS)
     r.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3,
-                   help="KV pool of --gpu this-machine (the NumPy backend's knob)")
+                   help="KV pool of --gpu this-machine (the CPU backends' knob)")
     r.add_argument("--spec-alpha", type=float, default=0.7, metavar="ALPHA",
                    help="with --speculative-config: the probability that each draft is "
                    "accepted, for requests whose workload sets none (refserve/simulator/"
