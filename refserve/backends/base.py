@@ -150,13 +150,13 @@ class Backend(abc.ABC):
         another layout). A tied embedding reads its rows here, so the table is stored once."""
         return weight
 
+    @abc.abstractmethod
     def linear(self, x: Array, weight: Any) -> Array:
         """x [T, in] · Wᵀ -> [T, out], for `weight` from `prepare_weight(W)`, W [out, in].
 
         Every dense product of the model is this one op. x is 2-D: a (T, 1, in) batch would
         run as T separate products. The result may be a transposed view, which every later
         op accepts."""
-        return x @ weight.T
 
     # ------------------------------------------------------------ data plane
 

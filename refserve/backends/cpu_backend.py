@@ -2,7 +2,8 @@
 
 It is the NumPy reference (numpy_backend.py) with the ops a CPU runs faster another way
 overridden; every other op is the reference's own. tests/test_backend_equality_cpu.py
-proves each override equal to the reference (and greedy tokens identical on the real model).
+proves each override equal to the reference, and tests/test_default_model.py the greedy
+tokens of the real model identical on both.
 
     linear           the few-row product forms, one per weight shape, chosen by a short
                      calibration when the weight is prepared (few_row_matmul.py). Differs
@@ -71,7 +72,6 @@ def _attend(q: np.ndarray, k_t: np.ndarray, v: np.ndarray, bias: np.ndarray) -> 
     # Normalising after the matmul divides M*D numbers instead of M*N.
     out /= denom
     return out
-
 
 
 class CpuBackend(NumpyBackend):

@@ -15,7 +15,7 @@ only turns those `Launch` records into `cupy.RawModule` calls, so it stays small
                      the other rows (prefill chunks, verify): varlen_paged_attention_kernel
     rejection_sample rejection_sample_kernel: the speculative accept / residual step, tokens
                      bit-identical to the NumPy op for the same uniforms
-    linear           x @ W.T, a cupy matmul (Backend.linear)
+    linear           x @ W.T, a cupy matmul (cuBLAS)
     sample           the reference's sample_tokens with cupy (a sort per row on the device):
                      only the token ids leave the GPU
 
@@ -209,6 +209,12 @@ class CupyBackend(Backend):
                 buffer = self._workspace[name] = self.xp.empty(size, dtype=np.float32)
             work[name] = buffer[:size].reshape(shape)
         return work
+
+    # ------------------------------------------------------------ dense products
+
+    def linear(self, x, weight):
+        """x @ W.T as a cupy matmul (cuBLAS), W [out, in] as loaded."""
+        return x @ weight.T
 
     # ------------------------------------------------------ speculative decoding
 

@@ -2,7 +2,7 @@
 
 This is the backend the course reads (`backend="numpy"`). Each op is its definition in NumPy:
 
-    linear           x @ W.T                                   (Backend.linear, base.py)
+    linear           x @ W.T
     write_kv         k_slots[slot_mapping] = k                 (one scatter)
     copy_blocks      cache[dst] = cache[src]
     swap_out/in      host[dst] = cache[src]; cache[dst] = host[src]
@@ -55,6 +55,12 @@ class NumpyBackend(Backend):
             return np.dtype(np.float32)
         raise ValueError(f"dtype={dtype!r}: the {self.name} backend computes in float32; use "
                          "dtype='float32' or the cupy backend")
+
+    # ------------------------------------------------------------ dense products
+
+    def linear(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """x @ W.T: x [T, in], W [out, in] as loaded (`prepare_weight` keeps it as it is)."""
+        return x @ weight.T
 
     # -------------------------------------------------------------- write_kv
 
