@@ -32,7 +32,7 @@ import numpy as np
 from refserve.backends.base import PAD_BLOCK, AttentionMetadata
 from refserve.backends.cpu_sampling import sample_tokens
 from refserve.backends.few_row_matmul import DenseWeight, fixed_plan
-from refserve.backends.numpy_backend import NumpyBackend
+from refserve.backends.numpy_backend import NumpyBackend, check_attention_shapes
 
 # Prefill chunks are processed this many query tokens at a time, which bounds the score
 # matrix at [num_heads, tile, L] floats, and lets each tile skip the keys after its last query
@@ -108,14 +108,8 @@ class CpuBackend(NumpyBackend):
 
     # ------------------------------------------------------- paged_attention
 
-    def paged_attention(
-        self,
-        q: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        attn: AttentionMetadata,
-        scale: float,
-    ) -> np.ndarray:
+    def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                        attn: AttentionMetadata, scale: float) -> np.ndarray:
         """q `[T, H, D]` -> out `[T, H, D]`, same dtype. See `Backend.paged_attention`.
 
         Rows 0 .. num_decodes-1 (q_len == 1) go through one vectorised batch; the others
@@ -123,14 +117,7 @@ class CpuBackend(NumpyBackend):
         metadata's host copies. No device value is read back: every `if` and every size
         below is a host scalar of `attn` or an array shape.
         """
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (
-            f"cache {k_cache.shape} / {v_cache.shape} does not match q head_dim {head_dim}"
-        )
-        assert num_heads % num_kv_heads == 0, (
-            f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
-        )
+        check_attention_shapes(q, k_cache, v_cache)
         # Cast once to q's dtype: a float64 scale would silently promote every score matrix.
         scale = q.dtype.type(scale)
 

@@ -148,14 +148,7 @@ class NumpyBackend(Backend):
         gather its context through its block table, then causal attention of its queries
         over it.
         """
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_cache.shape[2]
-        assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (
-            f"cache {k_cache.shape} / {v_cache.shape} does not match q head_dim {head_dim}"
-        )
-        assert num_heads % num_kv_heads == 0, (
-            f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
-        )
+        check_attention_shapes(q, k_cache, v_cache)
         scale = q.dtype.type(scale)
         out = np.empty_like(q)
         qsl, ctx = attn.query_start_loc_cpu, attn.context_lens_cpu
@@ -190,6 +183,19 @@ class NumpyBackend(Backend):
         return rejection_sample(
             draft_token_ids, draft_probs, target_probs, accept_uniforms, draw_uniforms
         )
+
+
+def check_attention_shapes(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray) -> None:
+    """q [T, H, D] and caches [num_blocks, block_size, Hkv, D] of one head_dim, H a multiple
+    of Hkv (each kv head serves a whole group of query heads)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (
+        f"cache {k_cache.shape} / {v_cache.shape} does not match q head_dim {head_dim}"
+    )
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+    )
 
 
 def gather_context(cache: np.ndarray, block_table: np.ndarray, num_keys: int) -> np.ndarray:
