@@ -125,9 +125,9 @@ def measure_pass_cost(dense_seconds, max_rows: int) -> PassCost | None:
     ({rows: seconds per repeat} of every layer's and the lm_head's products, or None:
     speculation/cost_probe.dense_seconds for the target), CALIBRATION_ROUNDS rounds over
     the row counts: the minimum per row count (a shared machine only ever adds time), made
-    non-decreasing (more rows never cost less). Timing a slice of the layers and scaling
-    it up was cheaper but amplified the noise: a 5-row pass came out 2.2x a 1-row pass
-    where whole forwards measured 1.4x. None if the passes cannot be timed (a device
+    non-decreasing (more rows never cost less). All layers are timed: a slice of them
+    scaled up is cheaper but amplifies the noise (a 5-row pass came out 2.2x a 1-row
+    pass where whole forwards measured 1.4x). None if the passes cannot be timed (a device
     backend)."""
     rows = [r for r in CALIBRATION_ROWS if r <= max(max_rows, 1)]
     times = dense_seconds(rows, repeats=CALIBRATION_ROUNDS)
