@@ -37,7 +37,7 @@ from refserve import LLM, SamplingParams
 
 POOL = dict(num_gpu_blocks_override=10, block_size=4, max_model_len=40,   # 10 blocks x 4 = 40 slots
             max_num_seqs=3, max_num_batched_tokens=16)           # 3 seats, 16 tokens a step
-llm = LLM(**POOL, progress=False)
+llm = LLM(**POOL, backend="numpy", progress=False)   # the plain reference: the code you read
 engine = llm.llm_engine
 scheduler, runner, kv = engine.scheduler, engine.runner, engine.kv_cache_manager
 print(f"{kv.num_blocks} blocks of {kv.block_size} tokens, {scheduler.max_num_seqs} seats, "

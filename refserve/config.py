@@ -5,9 +5,9 @@
 | block_size | tokens per KV block (PagedAttention page size) |
 | num_gpu_blocks_override | force the pool size in blocks (otherwise sized from memory) |
 | gpu_memory_utilization | share of the device's TOTAL memory for weights + activations + KV |
-| kv_cache_memory_bytes | bytes of host memory for the KV pool on the NumPy backend |
+| kv_cache_memory_bytes | bytes of host memory for the KV pool on the CPU backends |
 | seed | engine-level seed: requests without their own seed draw from it (None: not reproducible) |
-| enforce_eager | never capture CUDA graphs (vLLM's name; the NumPy backend is always eager) |
+| enforce_eager | never capture CUDA graphs (vLLM's name; the CPU backends are always eager) |
 | max_model_len | longest sequence (prompt + output) a request may reach |
 | max_num_seqs | seats in the running batch (continuous-batching slot cap) |
 | max_num_batched_tokens | token budget of one step (chunked prefill); None: the backend's |
@@ -20,7 +20,7 @@
 | swap_space | GiB of host memory for swapped-out KV blocks (vLLM's; preemption_mode="swap") |
 | batching | "continuous" (iteration-level) or "static" (request-level, for comparison) |
 | kv_cache_layout | "paged", or "contiguous": the naive baseline, one max_model_len block |
-| dtype | weights and KV cache: auto (float32 on NumPy), float32, float16, bfloat16 |
+| dtype | weights and KV cache: auto (float32 on the CPU backends), float32, float16, bfloat16 |
 | speculative_config | vLLM's dict: method ngram / draft_model, num_speculative_tokens, ... |
 
 `num_gpu_blocks` and `kv_cache_memory` are the old spellings of the two renamed knobs: still
@@ -41,7 +41,9 @@ from dataclasses import InitVar, dataclass
 
 from refserve.speculative_config import SpeculativeConfig
 
-BACKENDS = ("auto", "numpy", "cupy")
+# "numpy": the reference (plain NumPy, what the course reads); "cpu": the tuned CPU backend;
+# "cupy": CUDA; "auto": cupy on a GPU, else cpu (refserve/backends/__init__.py).
+BACKENDS = ("auto", "numpy", "cpu", "cupy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BATCHING = ("continuous", "static")
 KV_CACHE_LAYOUTS = ("paged", "contiguous")
@@ -51,18 +53,19 @@ PREEMPTION_MODES = ("recompute", "swap")  # scheduler/swapping.py's
 
 # The token budget of one step when max_num_batched_tokens is None, per backend, chosen as
 # vLLM chooses its defaults per device: one step at the budget must stay well under a second,
-# or every running decode stalls that long behind one long prompt. NumPy: a prefill step of
+# or every running decode stalls that long behind one long prompt. The CPU backends (the
+# reference and the tuned one share the CPU's defaults): a prefill step of
 # SmolLM2-135M costs 0.86-0.91 s of CPU on one core at 256 tokens (OpenBLAS SkylakeX, one
 # thread, time.thread_time; 512: 1.8 s, 1024: 4.0-4.1 s, 2048: 9.9-10.9 s: attention makes a
 # big step dearer per token), so about half that on 2 cores. CuPy: vLLM's 8192.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"numpy": 256, "cupy": 8192}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"numpy": 256, "cpu": 256, "cupy": 8192}
 # vLLM's long_prefill_token_threshold: the most tokens one prefill may take in a step. With
-# the NumPy defaults a long prompt's chunk takes half the budget, so a request arriving
+# the CPU defaults a long prompt's chunk takes half the budget, so a request arriving
 # behind it is admitted the next step instead of after the whole prefill (a prefill costs
 # about the same per token in chunks of 128 as of 256 on the CPU: compute-bound). 0 = no
 # cap, vLLM's default with one partial prefill (CuPy: the GPU step is short anyway). It
 # applies only when the budget is the backend's default too; set it to cap a budget of yours.
-DEFAULT_LONG_PREFILL_FRACTION = {"numpy": 0.5, "cupy": 0.0}
+DEFAULT_LONG_PREFILL_FRACTION = {"numpy": 0.5, "cpu": 0.5, "cupy": 0.0}
 
 
 def resolve_max_num_batched_tokens(value: int | None, backend_name: str) -> int:

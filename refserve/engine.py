@@ -51,6 +51,7 @@ from refserve.scheduler.drafts import Proposals, verify_inputs
 from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import IncrementalDetokenizer, Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
+from refserve.speculation.cost_probe import dense_seconds
 from refserve.speculation.registry import resolve as resolve_proposer
 from refserve.speculation.speculator import Speculator
 from refserve.speculation.verify import verify
@@ -120,14 +121,15 @@ class LLMEngine(RequestIntake):
         self.runner = runner(self.model, self.backend, num_blocks, self.block_size,
                              enforce_eager=config.enforce_eager,
                              num_host_blocks=self.num_host_blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.backend)
         # Speculative decoding: the propose stage (None: every row samples one token).
         self.speculator = None
         if spec is not None:
             proposer = proposer_cls.create(spec, loaded, self.backend, num_blocks,
                                            self.block_size)
             adaptive = AdaptiveSpeculation(spec.k, draft_cost, enabled=spec.adaptive)
-            adaptive.calibrate(self.model, config.max_num_batched_tokens)  # verify cost
+            adaptive.calibrate(lambda rows, repeats: dense_seconds(self.model, rows, repeats),
+                               config.max_num_batched_tokens)  # the verify step's cost
             self.speculator = Speculator(proposer, adaptive, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()

@@ -9,7 +9,7 @@
 
 Prompts come in every form vLLM's `generate` takes (see `parse_prompts`); keywords are
 vLLM's names (see `LLM.__init__`), plus refserve's own: `backend`, `batching`,
-`kv_cache_layout`, `kv_cache_memory_bytes` (NumPy backend pool size), `progress`.
+`kv_cache_layout`, `kv_cache_memory_bytes` (the CPU backends' pool size), `progress`.
 
 `llm.last_summary` is refserve's: the run summary (TTFT / TPOT percentiles, KV blocks at
 peak, prefix hit rate, steps) of the latest `generate` call only. The engine's cumulative

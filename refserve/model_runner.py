@@ -39,7 +39,7 @@ from refserve.kv_cache.block_table import slot_mapping as compute_slots
 class ModelInputs:
     """One step's flat batch. Arrays are host NumPy (printable); `attn` holds the device
     copies of the attention arrays and the host scalars; `input_ids_device` etc. are the
-    device copies the forward reads (the same objects on the NumPy backend).
+    device copies the forward reads (the same objects on the CPU backends).
 
     row_order[i] is the index in `out.scheduled` of flat row i (decodes first).
     """

@@ -14,8 +14,8 @@ downloaded: every model is random weights made on the spot) it
   4. runs end to end on a random Llama-3.2-1B-shaped model (float16): LLM.generate decode
      throughput at batch 64 against transformers' generate on the same weights, batch-1
      time per output token against the weight-streaming floor (weight bytes / copy GB/s),
-     and greedy tokens of the NumPy and CuPy backends on a random SmolLM2-135M-shaped model
-     (float32, both backends, same prompts);
+     and greedy tokens of the NumPy reference, the tuned CPU and the CuPy backends on a
+     random SmolLM2-135M-shaped model (float32, all three, same prompts);
 
 then prints one table and writes everything as JSON (--json, default selfcheck.json).
 Without a usable GPU it prints `error: no usable CUDA GPU: <cause>` and exits with status 2.
@@ -233,7 +233,7 @@ def _common_prefix(a, b):
     return a[:n]
 
 
-def greedy_numpy_vs_cupy(workdir: Path) -> dict:
+def greedy_across_backends(workdir: Path) -> dict:
     import torch
     import transformers
 
@@ -244,12 +244,13 @@ def greedy_numpy_vs_cupy(workdir: Path) -> dict:
                                                 size=(4, 12)).tolist()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     tokens = {}
-    for backend in ("numpy", "cupy"):
+    for backend in ("numpy", "cpu", "cupy"):
         llm = LLM(model=str(workdir / "smol"), backend=backend, dtype="float32",
                   max_model_len=256, max_num_seqs=8, progress=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
-    equal = sum(a == b for a, b in zip(tokens["numpy"], tokens["cupy"]))
+    equal = {name: sum(a == b for a, b in zip(tokens["numpy"], tokens[name]))
+             for name in ("cpu", "cupy")}
     return {"prompts": len(prompts), "identical": equal, "tokens": tokens}
 
 
@@ -284,7 +285,8 @@ def table(results: dict) -> str:
             f"{e['greedy_vs_transformers_mean_common_prefix']:.1f}", "of 128 tokens, fp16")
     g = results.get("greedy")
     if g:
-        add("greedy tokens numpy == cupy (fp32)", f"{g['identical']}/{g['prompts']}")
+        for name, same in g["identical"].items():
+            add(f"greedy tokens numpy == {name} (fp32)", f"{same}/{g['prompts']}")
     return "\n".join(lines)
 
 
@@ -324,7 +326,7 @@ def main(argv=None) -> int:
     results["attention"] = bench_attention(cp, backend, copy_gbs)
     with tempfile.TemporaryDirectory() as tmp:
         for key, fn in (("end_to_end", lambda: bench_end_to_end(copy_gbs, Path(tmp))),
-                        ("greedy", lambda: greedy_numpy_vs_cupy(Path(tmp)))):
+                        ("greedy", lambda: greedy_across_backends(Path(tmp)))):
             log(f"running {key}")
             try:
                 results[key] = fn()

@@ -136,7 +136,7 @@ def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
     r.add_argument("--batching", default="continuous", choices=BATCHING)
     r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS)
     r.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3,
-                   help="KV pool of --gpu this-machine (the NumPy backend's knob)")
+                   help="KV pool of --gpu this-machine (the CPU backends' knob)")
     r.add_argument("--engine", default=DEFAULT_ENGINE, choices=engine_names(),
                    help="whose host costs to price (scheduling, sampling, launches): an "
                    "entry of refserve/simulator/engines.toml")

@@ -88,8 +88,8 @@ MECHANISMS: dict[str, str] = {
                     "(n-gram) or from the draft model",
     "spec_e2e": "speculative decoding generates what the target alone would; rejected "
                 "drafts leave no KV behind",
-    "backend_equality": "the CuPy backend returns what the NumPy reference returns on the "
-                        "same inputs and draws",
+    "backend_equality": "the tuned CPU and the CuPy backends return what the NumPy "
+                        "reference returns on the same inputs and draws",
     "kernels": "each CUDA kernel matches the NumPy reference on its own",
     "backend": "the Backend interface: selection, KV allocation, device transfers",
     "model_parity": "the NumPy Llama forward matches transformers (logits and greedy text)",
@@ -155,6 +155,13 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_simulator*.py", None, ("simulator",)),
     ("test_bench*.py", None, ("bench",)),
     ("test_spec_warping.py", r"warp", ("spec_accept", "sampling")),
+    ("test_backend_equality_cpu.py", r"sample", ("backend_equality", "sampling")),
+    ("test_backend_equality_cpu.py", r"paged_attention|contiguous|gather",
+     ("backend_equality", "paged_attention")),
+    ("test_backend_equality_cpu.py", None, ("backend_equality",)),
+    ("test_backend_equality_cpu_matmul.py", r"greedy|tiny_model",
+     ("backend_equality", "model_parity")),
+    ("test_backend_equality_cpu_matmul.py", None, ("backend_equality",)),
     ("test_spec_warping.py", None, ("spec_e2e",)),
     # Modules other issues add; named by what they are about.
     ("test_*rejection*.py", None, ("spec_accept",)),

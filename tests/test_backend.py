@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import refserve.backends as backends
-from refserve.backends import Backend, NumpyBackend, get_backend
+from refserve.backends import Backend, CpuBackend, NumpyBackend, get_backend
 
 BACKEND = NumpyBackend()
 
@@ -133,18 +133,20 @@ def test_to_device_and_to_numpy_are_identity():
 # ---------------------------------------------------------------------------- get_backend
 
 
-def test_get_backend_numpy_and_auto():
-    for name in ("numpy", "auto"):
+def test_get_backend_numpy_cpu_and_auto():
+    """numpy is the reference; without a GPU, auto (the default) is the tuned CPU backend."""
+    assert type(get_backend("numpy")) is NumpyBackend
+    for name in ("cpu", "auto"):
         backend = get_backend(name)
-        assert isinstance(backend, Backend)
-        assert backend.name == "numpy" and backend.xp is np
-    assert get_backend().name == "numpy"
+        assert isinstance(backend, CpuBackend) and isinstance(backend, Backend)
+        assert backend.name == "cpu" and backend.xp is np
+    assert get_backend().name == "cpu"
 
 
 def test_get_backend_unknown_name_lists_the_valid_ones():
     with pytest.raises(ValueError) as err:
         get_backend("tpu")
-    for name in ("auto", "numpy", "cupy"):
+    for name in ("auto", "numpy", "cpu", "cupy"):
         assert name in str(err.value)
 
 
@@ -170,6 +172,6 @@ def test_get_backend_cupy_and_auto_with_gpu_construct_the_cupy_backend(monkeypat
     assert get_backend("auto") == "cupy-backend"
     assert made == [{"enforce_eager": True}, {}]
     monkeypatch.setattr(backends, "_gpu_unavailable_reason", lambda: "cupy sees 0 CUDA devices")
-    assert get_backend("auto").name == "numpy"
+    assert get_backend("auto").name == "cpu"
     with pytest.raises(RuntimeError, match="none found: cupy sees 0 CUDA devices"):
         get_backend("cupy")

@@ -202,8 +202,10 @@ def test_rejection_sample_emits_identical_tokens(cupy_backend, cp, data):
         np.testing.assert_array_equal(cp.asnumpy(got[1]), expected[1])
 
 
-def test_device_sampling_matches_the_host_sampler(cupy_backend, cp):
-    from refserve.sampling import Sampler, SamplingParams
+def test_sample_draws_the_reference_tokens(cupy_backend, cp):
+    """The same logits, settings and uniforms: the same tokens as the reference's draw."""
+    from refserve.backends.numpy_backend import NumpyBackend
+    from refserve.sampling import SamplingParams, draw_arguments
 
     class Fixed:
         def __init__(self, u):
@@ -215,12 +217,12 @@ def test_device_sampling_matches_the_host_sampler(cupy_backend, cp):
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal((16, 5000)) * 3).astype(np.float32)
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
-              for t, k, p, m in zip([0.0, 0.7, 1.0, 1.3] * 4, [0, 0, 20, 50] * 4,
+              for t, k, p, m in zip([0.4, 0.7, 1.0, 1.3] * 4, [0, 0, 20, 50] * 4,
                                     [1.0, 0.9, 0.8, 1.0] * 4, [0.0] * 8 + [0.05] * 8)]
-    u = rng.random(16)
-    host = Sampler().sample(logits, params, [Fixed(x) for x in u])
-    got = cp.asnumpy(cupy_backend.sample(cp.asarray(logits), params, u))
-    assert got.tolist() == host
+    args = draw_arguments(params, [Fixed(x) for x in rng.random(16)])
+    expected = NumpyBackend().sample(logits, **args)
+    got = cp.asnumpy(cupy_backend.sample(cp.asarray(logits), **args))
+    assert got.tolist() == expected.tolist()
 
 
 # --------------------------------------------------------------------------- the model

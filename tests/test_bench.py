@@ -24,8 +24,13 @@ def test_batching_quick(tmp_path, smollm2_dir, capsys):
     assert main(["batching", "--quick", "--json", str(out), "--plot",
                  str(tmp_path / "bench.png")]) == 0
     data = json.loads(out.read_text())
-    cont, static, hf = data["rows"]
-    assert cont["useful_tokens"] == static["useful_tokens"] == hf["useful_tokens"]
+    cont, static, reference, hf = data["rows"]
+    assert reference["system"] == "refserve numpy reference"
+    assert cont["useful_tokens"] == static["useful_tokens"] == hf["useful_tokens"] \
+        == reference["useful_tokens"]
+    # The reference and the tuned backend differ in float rounding only: a near-tie argmax
+    # may flip on some machine, so one request of the eight may differ.
+    assert reference["same_outputs_as_refserve"] >= 7
     assert cont["slot_steps_wasted"] == 0 < static["slot_steps_wasted"]
     assert static["slot_steps_wasted"] == hf["slot_steps_wasted"]
     assert cont["steps"] < static["steps"]
@@ -34,7 +39,13 @@ def test_batching_quick(tmp_path, smollm2_dir, capsys):
     assert hf["same_outputs_as_refserve"] >= 6
     assert (tmp_path / "bench.png").stat().st_size > 0
     overhead = data["overhead"]
-    assert 0 < overhead["dense_matmul_floor_ms"] < overhead["forward_ms"]
-    assert overhead["step_over_floor"] > 1
-    assert 0 < overhead["sampling_top_p_ms"] and 0 < overhead["sampling_fraction"] < 1
-    assert "continuous / refserve static" in capsys.readouterr().out
+    assert overhead["backend"] == "cpu"
+    assert [(o["backend"], o["running"]) for o in data["overheads"]] == [("cpu", 8),
+                                                                          ("numpy", 8)]
+    for o in data["overheads"]:
+        assert 0 < o["dense_matmul_floor_ms"] < o["forward_ms"]
+        assert o["step_over_floor"] > 1
+        assert 0 < o["sampling_top_p_ms"] and 0 < o["sampling_fraction"] < 1
+    printed = capsys.readouterr().out
+    assert "continuous / refserve static" in printed
+    assert "decode step at 8 running, numpy backend" in printed

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from model_utils import row, run_step, save_tiny_hf_model
 
 from refserve.backends import cuda_graphs as cg
-from refserve.backends.numpy_backend import NumpyBackend
+from refserve.backends.cpu_backend import CpuBackend
 from refserve.model_runner import ModelRunner
 from refserve.models.loader import load_model
 
@@ -96,8 +96,11 @@ class ReplayCapturer:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
+    """On the tuned CPU backend: its decode batch reads the metadata's device arrays, as a
+    GPU kernel does. A graph's host copies are placeholders (its rows change every replay),
+    and the reference's per-sequence loop reads those host copies."""
     folder, _ = save_tiny_hf_model(tmp_path_factory.mktemp("graphs"))
-    return load_model(folder, NumpyBackend())
+    return load_model(folder, CpuBackend())
 
 
 def decode_run(model, use_graphs, lengths, steps, block_size=8, finish_at=None):

@@ -4,7 +4,6 @@
 import gguf
 import numpy as np
 import pytest
-from model_utils import numpy_backend
 
 from refserve.models.default_model import default_gguf_path, unpermute_rows
 from refserve.models.loader import read_safetensors
@@ -82,14 +81,17 @@ def test_chat_template_renders_conversation(hf_tokenizer):
     assert hf_tokenizer.eos_token == "<|im_end|>"
 
 
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_greedy_matches_transformers_generate(smollm2_dir, hf_smollm2, hf_tokenizer,
-                                              hf_greedy_fn):
-    """Four prompts, 32 greedy tokens each, token-identical to transformers' generate."""
+                                              hf_greedy_fn, backend):
+    """Four prompts, 32 greedy tokens each, token-identical to transformers' generate, on the
+    reference backend and on the tuned CPU backend (so the two are identical too)."""
     from model_utils import prefill_logits, row, run_step
 
+    from refserve.backends import get_backend
     from refserve.models.loader import load_model
 
-    model = load_model(smollm2_dir, numpy_backend())
+    model = load_model(smollm2_dir, get_backend(backend))
     prompts = ["The capital of France is", "def quicksort(arr):",
                "Once upon a time, in a small village,", "1, 1, 2, 3, 5, 8,"]
     for prompt in prompts:

@@ -69,9 +69,10 @@ def test_dtype_names_are_validated():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_numpy_backend_accepts_only_float32(tiny_folder, dtype):
-    with pytest.raises(ValueError, match="numpy backend computes in float32; use "
-                                         "dtype='float32' or the cupy backend"):
-        engine(tiny_folder, dtype=dtype, num_gpu_blocks_override=64)
+    for backend in ("numpy", "cpu"):
+        with pytest.raises(ValueError, match=f"{backend} backend computes in float32; use "
+                                             "dtype='float32' or the cupy backend"):
+            engine(tiny_folder, dtype=dtype, num_gpu_blocks_override=64, backend=backend)
     for ok in ("auto", "float32"):
         kv = engine(tiny_folder, dtype=ok, num_gpu_blocks_override=64).runner.kv_caches
         assert kv[0][0].dtype == np.float32

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from refserve.backends import NumpyBackend
 from refserve.logits_processors import (
     apply_allowed_token_ids,
     apply_bad_words,
@@ -12,6 +13,11 @@ from refserve.logits_processors import (
     bad_words_token_ids,
 )
 from refserve.sampling import Sampler, SamplingParams, make_generator
+
+
+def sampler() -> Sampler:
+    """The Sampler on the reference backend."""
+    return Sampler(NumpyBackend())
 
 ROW = np.array([2.0, -2.0, 1.0, 0.5, -0.5, 3.0], dtype=np.float32)
 
@@ -65,17 +71,17 @@ def test_min_tokens_with_ignore_eos_leaves_eos_alone():
 
 
 def test_sampler_greedy_respects_min_tokens_then_lets_eos_through():
-    sampler, eos = Sampler(), 5           # token 5 has the largest logit
+    eos = 5                               # token 5 has the largest logit
     params = [SamplingParams(temperature=0.0, min_tokens=2)] * 3
-    out = sampler.sample(np.stack([ROW] * 3), params, [make_generator(0)] * 3,
-                         output_token_ids=[[], [7], [7, 7]], eos_token_id=eos)
+    out = sampler().sample(np.stack([ROW] * 3), params, [make_generator(0)] * 3,
+                           output_token_ids=[[], [7], [7, 7]], eos_token_id=eos)
     assert out == [0, 0, 5]
 
 
 def test_sampler_never_draws_a_banned_eos():
     rows = np.stack([ROW] * 200)
     params = [SamplingParams(temperature=2.0, min_tokens=1, stop_token_ids=[0])] * 200
-    out = Sampler().sample(rows, params, [make_generator(i) for i in range(200)],
+    out = sampler().sample(rows, params, [make_generator(i) for i in range(200)],
                            output_token_ids=[[]] * 200, eos_token_id=5)
     assert 5 not in out and 0 not in out
 
@@ -85,7 +91,7 @@ def test_sampler_penalties_change_greedy_choice_and_leave_logits_untouched():
     before = logits.copy()
     params = [SamplingParams(temperature=0.0, repetition_penalty=4.0), SamplingParams(
         temperature=0.0)]
-    out = Sampler().sample(logits, params, [make_generator(0)] * 2,
+    out = sampler().sample(logits, params, [make_generator(0)] * 2,
                            prompt_token_ids=[[5], [5]], output_token_ids=[[], []])
     assert out == [0, 5]          # 3.0 / 4 < 2.0: token 0 wins once token 5 is penalised
     np.testing.assert_array_equal(logits, before)
@@ -93,9 +99,9 @@ def test_sampler_penalties_change_greedy_choice_and_leave_logits_untouched():
 
 def test_sampler_asks_for_the_token_history_it_needs():
     with pytest.raises(ValueError, match="output_token_ids"):
-        Sampler().sample(ROW[None], [SamplingParams(presence_penalty=1.0)], [make_generator(0)])
+        sampler().sample(ROW[None], [SamplingParams(presence_penalty=1.0)], [make_generator(0)])
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        Sampler().sample(ROW[None], [SamplingParams(repetition_penalty=1.2)],
+        sampler().sample(ROW[None], [SamplingParams(repetition_penalty=1.2)],
                          [make_generator(0)], output_token_ids=[[1]])
 
 
@@ -154,18 +160,18 @@ def test_sampler_applies_the_vllm_processors_in_order_and_greedy_follows():
              ({}, 5)]
     for kw, want in cases:
         params = SamplingParams(temperature=0.0, **kw)
-        out = Sampler().sample(np.stack([ROW, ROW]), [params, greedy], [make_generator(0)] * 2,
+        out = sampler().sample(np.stack([ROW, ROW]), [params, greedy], [make_generator(0)] * 2,
                                output_token_ids=[[], []], bad_words_token_ids=[[[5]], []])
         assert out == [want, 5], kw          # the plain row beside it is untouched
 
 
 def test_sampler_never_draws_outside_allowed_token_ids():
     params = [SamplingParams(temperature=5.0, allowed_token_ids=[1, 4])] * 300
-    out = Sampler().sample(np.stack([ROW] * 300), params, [make_generator(i) for i in range(300)])
+    out = sampler().sample(np.stack([ROW] * 300), params, [make_generator(i) for i in range(300)])
     assert set(out) == {1, 4}
 
 
 def test_sampler_asks_for_the_bad_words_token_ids():
     with pytest.raises(ValueError, match="bad_words_token_ids"):
-        Sampler().sample(ROW[None], [SamplingParams(bad_words=["x"])], [make_generator(0)],
+        sampler().sample(ROW[None], [SamplingParams(bad_words=["x"])], [make_generator(0)],
                          output_token_ids=[[]])

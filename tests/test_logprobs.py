@@ -5,8 +5,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from refserve.backends import NumpyBackend
 from refserve.logprobs import Logprob, compute_logprobs, log_softmax, prompt_logprobs
 from refserve.sampling import Sampler, SamplingParams, make_generator
+
+
+def sampler() -> Sampler:
+    """The Sampler on the reference backend."""
+    return Sampler(NumpyBackend())
 
 
 def ref_log_softmax(x):
@@ -81,7 +87,7 @@ def test_sampler_reports_raw_logprobs_of_the_sampled_token():
     logits = rng.normal(size=(3, 50)).astype(np.float32)
     params = [SamplingParams(temperature=0.3, top_k=3, logprobs=2, repetition_penalty=1.5),
               SamplingParams(temperature=0.0), SamplingParams(logprobs=0)]
-    out = Sampler().sample_with_logprobs(
+    out = sampler().sample_with_logprobs(
         logits, params, [make_generator(i) for i in range(3)],
         prompt_token_ids=[[1, 2], [], []], output_token_ids=[[3], [], []])
     ref = ref_log_softmax(logits)

@@ -1,15 +1,43 @@
-"""Sampling: the distribution each rule defines, checked exactly and by drawing."""
+"""Sampling: the distribution each rule defines, checked exactly and by drawing, for the
+reference draw (NumpyBackend.sample, a sort per row) and the tuned one (CpuBackend.sample,
+the nucleus by bisection) alike; the Sampler's control around the draw (processors come in
+test_logits_processors.py): one uniform per sampled row, greedy rows, seeded generators."""
 
 import numpy as np
 import pytest
 
-from refserve.sampling import (
-    Sampler,
-    SamplingParams,
-    make_generator,
-    probabilities,
-    sample_from_logits,
-)
+from refserve.backends import CpuBackend, NumpyBackend
+from refserve.backends.cpu_sampling import kept_distributions
+from refserve.backends.numpy_backend import sampling_weights
+from refserve.sampling import Sampler, SamplingParams, draw_arguments, make_generator
+
+BACKENDS = {"numpy": NumpyBackend(), "cpu": CpuBackend()}
+each_backend = pytest.mark.parametrize("backend", list(BACKENDS))
+
+
+def probabilities(backend: str, logits, params: SamplingParams) -> np.ndarray:
+    """The distribution `backend`'s draw uses for one row of (processed) logits, as a dense
+    float64 vector: the backend's weights over its kept set, normalised (greedy: all mass on
+    the argmax)."""
+    x = np.asarray(logits, dtype=np.float32)[None]
+    if params.greedy:                     # the Sampler's argmax: the draw never sees it
+        return np.eye(x.shape[1])[np.argmax(x[0])]
+    args = draw_arguments([params], [make_generator(0)])
+    del args["uniforms"]
+    if backend == "numpy":
+        w = sampling_weights(np, x, **args)[0].astype(np.float64)
+    else:
+        ((ids, weights),) = kept_distributions(x, **args)
+        w = np.zeros(x.shape[1])
+        w[slice(None) if ids is None else ids] = weights
+    return w / w.sum()
+
+
+def sample_from_logits(backend: str, logits, params: SamplingParams, generator) -> int:
+    """One token from one row of logits through the Sampler on `backend`."""
+    row = np.asarray(logits, dtype=np.float32)[None]
+    return Sampler(BACKENDS[backend]).sample(row, [params], [generator])[0]
+
 
 LOGITS = np.log(np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04], dtype=np.float32))
 
@@ -45,18 +73,21 @@ CASES = [dict(), dict(temperature=0.5), dict(temperature=2.0), dict(top_k=2),
          dict(temperature=0.7, top_k=4, top_p=0.8)]
 
 
+@each_backend
 @pytest.mark.parametrize("kw", CASES, ids=[str(c) for c in CASES])
-def test_probabilities_follow_the_definitions(kw):
-    got = probabilities(LOGITS, SamplingParams(**kw))
+def test_probabilities_follow_the_definitions(backend, kw):
+    got = probabilities(backend, LOGITS, SamplingParams(**kw))
     np.testing.assert_allclose(got, expected(**kw), rtol=1e-5, atol=1e-7)  # float32 math
 
 
+@each_backend
 @pytest.mark.parametrize("kw", CASES, ids=[str(c) for c in CASES])
-def test_draws_match_the_distribution(kw):
+def test_draws_match_the_distribution(backend, kw):
     params = SamplingParams(**kw)
-    gen = make_generator(1234)
     n = 20000
-    counts = np.bincount([sample_from_logits(LOGITS, params, gen) for _ in range(n)],
+    rows = np.repeat(LOGITS[None], n, axis=0)
+    gens = [make_generator(1234)] * n          # one stream: n consecutive uniforms
+    counts = np.bincount(Sampler(BACKENDS[backend]).sample(rows, [params] * n, gens),
                          minlength=len(LOGITS))
     p = expected(**kw)
     assert np.all(counts[p == 0] == 0), "a token outside top-k / top-p was drawn"
@@ -64,28 +95,31 @@ def test_draws_match_the_distribution(kw):
     assert np.all(np.abs(counts - n * p) <= 5 * sigma), (counts / n, p)
 
 
-def test_greedy_is_argmax_and_uses_no_randomness():
+@each_backend
+def test_greedy_is_argmax_and_uses_no_randomness(backend):
     gen = make_generator(0)
     state = gen.bit_generator.state
-    assert sample_from_logits(LOGITS, SamplingParams(temperature=0.0), gen) == 0
+    assert sample_from_logits(backend, LOGITS, SamplingParams(temperature=0.0), gen) == 0
     assert gen.bit_generator.state == state
 
 
 def test_seeded_generators_and_children():
     p = SamplingParams(temperature=1.0, seed=5)
-    a = [sample_from_logits(LOGITS, p, make_generator(5)) for _ in range(1)]
-    b = [sample_from_logits(LOGITS, p, make_generator(5)) for _ in range(1)]
+    a = [sample_from_logits("numpy", LOGITS, p, make_generator(5)) for _ in range(1)]
+    b = [sample_from_logits("numpy", LOGITS, p, make_generator(5)) for _ in range(1)]
     assert a == b
     child = make_generator(5, child_index=3)
     same = make_generator(8)
     assert child.random() == same.random()
 
 
-def test_sampler_mixes_greedy_and_sampled_rows():
+@each_backend
+def test_sampler_mixes_greedy_and_sampled_rows(backend):
     logits = np.stack([LOGITS, LOGITS[::-1], LOGITS])
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.0, top_k=1)]
-    out = Sampler().sample(logits, params, [make_generator(i) for i in range(3)])
+    out = Sampler(BACKENDS[backend]).sample(logits, params,
+                                            [make_generator(i) for i in range(3)])
     assert out == [0, 5, 0]
 
 
@@ -102,8 +136,6 @@ def test_stop_field_normalised():
 from hypothesis import HealthCheck, assume, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
-
-from refserve.sampling import inverse_cdf  # noqa: E402
 
 SETTINGS = settings(deadline=None, max_examples=150,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -181,14 +213,15 @@ def with_key_cases(test):
     return test
 
 
+@each_backend
 @SETTINGS
 @given(cases())
 @with_key_cases
-def test_probabilities_match_the_naive_definition(case):
+def test_probabilities_match_the_naive_definition(backend, case):
     logits, kw = case
     ref, clear = naive(logits, margin=1e-4, **kw)
     assume(clear)
-    got = probabilities(logits, SamplingParams(**kw))
+    got = probabilities(backend, logits, SamplingParams(**kw))
     assert np.all(got[ref == 0] == 0), "a token outside the kept set has probability"
     assert np.all(got[ref > 1e-6] > 0), "a kept token was dropped"
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
@@ -200,25 +233,81 @@ def test_key_cases_are_clear_of_rounding_boundaries(case):
     assert naive(case[0], margin=1e-4, **case[1])[1]
 
 
-def test_nucleus_ties_are_decided_on_logits():
+@each_backend
+def test_nucleus_ties_are_decided_on_logits(backend):
     """Logits 5.008e-42 and 0.0 have the same float32 (and float64) probability 0.5, but the
     first logit is larger: with top_p = 0.5 the nucleus is the first token alone (the mass
     of larger logits before the second one is 0.5, not < 0.5). Sampler and reference agree."""
     logits = np.array([5.008e-42, 0.0], dtype=np.float32)
-    got = probabilities(logits, SamplingParams(top_p=0.5))
+    got = probabilities(backend, logits, SamplingParams(top_p=0.5))
     np.testing.assert_array_equal(got, [1.0, 0.0])
     np.testing.assert_array_equal(naive(logits, top_p=0.5)[0], [1.0, 0.0])
     # Four probabilities of exactly 1/4: the third token's larger-logit mass is exactly 0.5.
     four = np.array([3e-41, 2e-41, 1e-41, 0.0], dtype=np.float32)
-    np.testing.assert_array_equal(probabilities(four, SamplingParams(top_p=0.5)),
+    np.testing.assert_array_equal(probabilities(backend, four, SamplingParams(top_p=0.5)),
                                   [0.5, 0.5, 0.0, 0.0])
     np.testing.assert_array_equal(naive(four, top_p=0.5)[0], [0.5, 0.5, 0.0, 0.0])
     tied = np.array([0.0, 0.0], dtype=np.float32)       # equal logits: kept together
-    np.testing.assert_array_equal(probabilities(tied, SamplingParams(top_p=0.5)), [0.5, 0.5])
+    np.testing.assert_array_equal(probabilities(backend, tied, SamplingParams(top_p=0.5)),
+                                  [0.5, 0.5])
 
 
+# The top two logits are tied (0.3 each) and a third is close behind (0.29): with top_p 0.5
+# the nucleus is the tied pair alone, because the mass ranked before the third token is both
+# tied tokens, 0.6. Counting the tied pair once (0.3 < 0.5) keeps the third token too.
+TIED_TOP = np.log(np.array([0.11, 0.3, 0.29, 0.3], dtype=np.float32))
+
+
+@each_backend
+def test_tied_top_logits_count_in_full_at_the_nucleus_boundary(backend):
+    got = probabilities(backend, TIED_TOP, SamplingParams(top_p=0.5))
+    np.testing.assert_allclose(got, [0.0, 0.5, 0.0, 0.5], atol=1e-7)
+    np.testing.assert_allclose(naive(TIED_TOP, top_p=0.5)[0], got, atol=1e-7)
+    # Every uniform draws one of the pair, in token-id order.
+    draw = BACKENDS[backend].sample(np.repeat(TIED_TOP[None], 3, axis=0),
+                                    **draw_arguments([SamplingParams(top_p=0.5)] * 3,
+                                                     [FixedUniform(u) for u in
+                                                      (0.0, 0.49, 0.51)]))
+    assert draw.tolist() == [1, 1, 3]
+
+
+# The nucleus measures mass at the request's temperature. Logits 2, 1, 0, -1 have
+# probabilities .644 .237 .087 .032 at T = 1, .457 .277 .168 .102 at T = 2 and .867 .117
+# .016 .002 at T = 0.5: measured at T = 1 while drawing at T, the nucleus is the wrong set
+# both ways. The last two rows put the boundary among many near tokens (the tuned sampler's
+# final band), once above T = 1 and once below.
+TEMPERATURE_CASES = [
+    ([-1.0, 2.0, 0.0, 1.0], 2.0, 0.5, [1, 3]), ([-1.0, 2.0, 0.0, 1.0], 0.5, 0.7, [1]),
+    ([-1.0, 2.0, 0.0, 1.0], 1.0, 0.5, [1]), ([-1.0, 2.0, 0.0, 1.0], 1.0, 0.7, [1, 3]),
+    ([-3.0, -3.5, -1.5, 3.0, -4.0], 3.0, 0.9, [0, 1, 2, 3]),
+    ([-0.75, 0.0, -0.5, -1.75, 2.0, -1.75], 0.7, 0.99, [0, 1, 2, 4]),
+]
+
+
+@each_backend
+@pytest.mark.parametrize("logits,temperature,top_p,kept", TEMPERATURE_CASES)
+def test_the_nucleus_is_searched_at_the_temperature(backend, logits, temperature, top_p, kept):
+    logits = np.array(logits, dtype=np.float32)
+    ref, clear = naive(logits, temperature, top_p=top_p, margin=1e-3)
+    assert clear and np.flatnonzero(ref).tolist() == kept
+    got = probabilities(backend, logits, SamplingParams(temperature=temperature, top_p=top_p))
+    assert np.flatnonzero(got).tolist() == kept
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+class FixedUniform:
+    """A stand-in generator whose `random()` returns the given uniform."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+@each_backend
 @pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
-def test_large_nuclei_flat_rows_and_tied_runs_are_exact(shape):
+def test_large_nuclei_flat_rows_and_tied_runs_are_exact(backend, shape):
     """Nuclei of hundreds of tokens, a flat row (a nucleus of most of the vocabulary), and a
     top_k cut inside a run of tied logits: the kept set must still be exact."""
     rng = np.random.default_rng(7)
@@ -235,37 +324,45 @@ def test_large_nuclei_flat_rows_and_tied_runs_are_exact(shape):
                dict(top_k=400, top_p=0.95)):
         ref, clear = naive(logits, **kw, margin=3e-6)
         assert clear, "choose a case away from the float32 rounding boundary"
-        got = probabilities(logits, SamplingParams(**kw))
+        got = probabilities(backend, logits, SamplingParams(**kw))
         assert np.array_equal(got > 0, ref > 0), kw
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-7)
 
 
-def test_top_k_keeps_ties_with_the_kth_logit():
+@each_backend
+def test_top_k_keeps_ties_with_the_kth_logit(backend):
     logits = np.array([3.0, 2.0, 2.0, 2.0, 1.0], dtype=np.float32)
-    got = probabilities(logits, SamplingParams(top_k=2))
+    got = probabilities(backend, logits, SamplingParams(top_k=2))
     assert np.count_nonzero(got) == 4 and got[4] == 0
 
 
-def test_rows_are_independent_of_the_batch():
-    """A row's distribution and draw are bitwise the same alone and in a mixed batch (other
-    rows with other params, hence other candidate groups)."""
+@each_backend
+def test_zero_weight_tokens_are_never_drawn(backend):
+    """top_k=2 keeps tokens 1 and 3; with u = 0 the draw is the first *kept* token (1), not
+    token 0 (a `<` instead of `<=` in the inverse CDF would return 0), and with u just
+    below 1 the last kept one (3), not the last token."""
+    logits = np.array([[0.0, 3.0, -1.0, 3.0, -2.0]] * 3, np.float32)
+    params = [SamplingParams(temperature=1.0, top_k=2)] * 3
+    args = draw_arguments(params, [FixedUniform(u) for u in (0.0, 0.75, np.nextafter(1, 0))])
+    assert BACKENDS[backend].sample(logits, **args).tolist() == [1, 3, 3]
+
+
+@each_backend
+def test_rows_are_independent_of_the_batch(backend):
+    """A row's draw is the same alone and in a mixed batch (other rows with other params,
+    hence other candidate groups in the tuned sampler)."""
     rng = np.random.default_rng(3)
     vocab = 3000
     logits = (rng.standard_normal((6, vocab)) * rng.uniform(0.5, 6, (6, 1))).astype(np.float32)
     params = [SamplingParams(top_p=0.8), SamplingParams(top_k=20, temperature=0.7),
               SamplingParams(temperature=0.0), SamplingParams(min_p=0.1),
               SamplingParams(), SamplingParams(top_k=5, top_p=0.5, min_p=0.01)]
-    sampler = Sampler()
+    sampler = Sampler(BACKENDS[backend])
     for seed in range(20):
         batch = sampler.sample(logits, params, [make_generator(seed, i) for i in range(6)])
         alone = [sampler.sample(logits[i:i + 1], [p], [make_generator(seed, i)])[0]
                  for i, p in enumerate(params)]
         assert batch == alone
-    together = sampler.distributions(logits, params)
-    for i, p in enumerate(params):
-        ((ids, w),) = sampler.distributions(logits[i:i + 1], [p])
-        assert np.array_equal(w, together[i][1])
-        assert (ids is None and together[i][0] is None) or np.array_equal(ids, together[i][0])
 
 
 def test_one_uniform_per_sampled_token():
@@ -274,7 +371,7 @@ def test_one_uniform_per_sampled_token():
     params = [SamplingParams(top_p=0.9), SamplingParams(temperature=0.0),
               SamplingParams(top_k=3), SamplingParams()]
     gens = [make_generator(10 + i) for i in range(4)]
-    Sampler().sample(logits, params, gens)
+    Sampler(NumpyBackend()).sample(logits, params, gens)
     for i, g in enumerate(gens):
         twin = make_generator(10 + i)
         if not params[i].greedy:
@@ -282,31 +379,13 @@ def test_one_uniform_per_sampled_token():
         assert g.random() == twin.random(), f"row {i} used a different number of draws"
 
 
-def test_tiny_temperature_is_greedy():
+@each_backend
+def test_tiny_temperature_is_greedy(backend):
     gen = make_generator(0)
     state = gen.bit_generator.state
-    assert sample_from_logits(LOGITS[::-1], SamplingParams(temperature=1e-6), gen) == 5
+    params = SamplingParams(temperature=1e-6)
+    assert sample_from_logits(backend, LOGITS[::-1], params, gen) == 5
     assert gen.bit_generator.state == state
-
-
-def test_inverse_cdf_matches_a_running_sum():
-    rng = np.random.default_rng(1)
-    for n in (1, 7, 1024, 1025, 5000):
-        w = rng.random(n).astype(np.float32) * (rng.random(n) < 0.7)
-        w[rng.integers(n)] = 1.0
-        cum = np.cumsum(w.astype(np.float64))
-        for u in rng.random(200):
-            target = u * cum[-1]
-            if np.min(np.abs(cum - target)) < 1e-4 * cum[-1]:
-                continue   # a boundary where block-wise float64 sums may round the other way
-            i = inverse_cdf(w, u)
-            assert i == int(np.searchsorted(cum, target, side="right")) and w[i] > 0
-
-
-def test_inverse_cdf_never_draws_a_zero_weight():
-    w = np.array([0, 0, 2, 0, 1, 0, 0], dtype=np.float32)
-    assert inverse_cdf(w, 0.0) == 2
-    assert inverse_cdf(w, np.nextafter(1.0, 0.0)) == 4
 
 
 # ---- draws: chi-square goodness of fit, with negative controls ---------------------------
@@ -331,9 +410,9 @@ def chi_square_rejects(counts, probs) -> bool:
     return stat > critical
 
 
-def draw_counts(params, n=20000, seed=2024):
+def draw_counts(params, n=20000, seed=2024, backend="numpy"):
     rows = np.repeat(STAT_LOGITS[None], 500, axis=0)
-    sampler = Sampler()
+    sampler = Sampler(BACKENDS[backend])
     gens = [make_generator(seed, i) for i in range(500)]
     tokens = []
     for _ in range(n // 500):
@@ -345,9 +424,10 @@ STAT_CASES = [dict(), dict(temperature=0.6), dict(top_k=4), dict(top_p=0.7),
               dict(min_p=0.2), dict(temperature=1.5, top_k=6, top_p=0.8, min_p=0.05)]
 
 
+@each_backend
 @pytest.mark.parametrize("kw", STAT_CASES, ids=[str(c) for c in STAT_CASES])
-def test_sampled_frequencies_pass_chi_square(kw):
-    counts = draw_counts(SamplingParams(**kw))
+def test_sampled_frequencies_pass_chi_square(backend, kw):
+    counts = draw_counts(SamplingParams(**kw), backend=backend)
     assert not chi_square_rejects(counts, naive(STAT_LOGITS, **kw)[0]), counts
 
 

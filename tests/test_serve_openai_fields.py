@@ -187,9 +187,14 @@ def test_serve_takes_the_model_as_a_positional_argument(capsys):
 def test_the_token_budget_defaults_to_the_backends(tiny_dir, capsys):
     assert EngineConfig().max_num_batched_tokens is None
     assert build_parser().parse_args([]).max_num_batched_tokens is None
-    assert "numpy 256" in " ".join(build_parser().format_help().split())
+    assert "numpy 256, cpu 256" in " ".join(build_parser().format_help().split())
+    assert DEFAULT_MAX_NUM_BATCHED_TOKENS["numpy"] == DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
     engine = LLMEngine(model=str(tiny_dir), num_gpu_blocks_override=64, block_size=4)
-    assert engine.config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS["numpy"]
+    assert engine.config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
+    assert engine.scheduler.max_num_batched_tokens == 256
+    assert "token budget 256 per step (the cpu default)" in capsys.readouterr().err
+    engine = LLMEngine(model=str(tiny_dir), backend="numpy", num_gpu_blocks_override=64,
+                       block_size=4)
     assert engine.scheduler.max_num_batched_tokens == 256
     assert "token budget 256 per step (the numpy default)" in capsys.readouterr().err
     engine = make_engine(tiny_dir, max_num_batched_tokens=64)

@@ -63,7 +63,8 @@ def test_the_batch_changes_the_rule():
 
 
 class FakeModel:
-    """dense_seconds as LlamaModel's ({rows: one float per repeat}; None on a device)."""
+    """A target whose `dense_seconds` answers like speculation/cost_probe.dense_seconds
+    ({rows: one float per repeat}; None on a device)."""
 
     def __init__(self, seconds_of_rows, device=False):
         self.calls, self.fn, self.device = [], seconds_of_rows, device
@@ -76,7 +77,7 @@ class FakeModel:
 def test_calibration_measures_the_rows_up_to_the_budget_and_is_monotone():
     model = FakeModel(lambda r: 0.01 * (1 + 0.1 * r) if r != 3 else 0.001)  # a dip at 3
     rule = AdaptiveSpeculation(k=4)
-    rule.calibrate(model, max_rows=20)
+    rule.calibrate(model.dense_seconds, max_rows=20)
     rows = tuple(r for r in adaptive.CALIBRATION_ROWS if r <= 20)
     assert rule.pass_cost.rows == rows
     assert model.calls == [(rows, adaptive.CALIBRATION_ROUNDS)]
@@ -84,21 +85,50 @@ def test_calibration_measures_the_rows_up_to_the_budget_and_is_monotone():
     assert rule.pass_cost(5) == pytest.approx(0.015)
     # A device backend cannot be timed: flat. A disabled rule measures nothing.
     rule = AdaptiveSpeculation(k=4)
-    rule.calibrate(FakeModel(lambda r: 1.0, device=True), 64)
+    rule.calibrate(FakeModel(lambda r: 1.0, device=True).dense_seconds, 64)
     assert rule.pass_cost == FLAT
     off = FakeModel(lambda r: 1.0)
-    AdaptiveSpeculation(k=4, enabled=False).calibrate(off, 64)
+    AdaptiveSpeculation(k=4, enabled=False).calibrate(off.dense_seconds, 64)
     assert off.calls == []
 
 
-def test_measure_pass_cost_on_a_tiny_real_model(tiny_folder):
-    from refserve.backends.numpy_backend import NumpyBackend
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_measure_pass_cost_on_a_tiny_real_model(tiny_folder, backend):
+    from refserve.backends import get_backend
     from refserve.models.loader import load_model
+    from refserve.speculation.cost_probe import dense_seconds
 
-    model = load_model(tiny_folder, NumpyBackend())
-    cost = measure_pass_cost(model, max_rows=8)
+    model = load_model(tiny_folder, get_backend(backend))
+    cost = measure_pass_cost(lambda rows, repeats: dense_seconds(model, rows, repeats),
+                             max_rows=8)
     assert cost.rows == (1, 2, 3, 5, 8)
     assert all(s > 0 for s in cost.seconds) and np.all(np.diff(cost.seconds) >= 0)
+
+
+def test_cost_probes_time_what_they_say(tiny_folder):
+    """speculation/cost_probe.py on a tiny model: the dense products of a forward (4 per
+    layer and the lm_head) at each row count, whole forwards, and a copy on another backend
+    that computes the same logits."""
+    from model_utils import max_rel_err, prefill_logits
+
+    from refserve.backends import CpuBackend, NumpyBackend
+    from refserve.models.loader import load_model
+    from refserve.speculation import cost_probe
+
+    model = load_model(tiny_folder, NumpyBackend())
+    dense = cost_probe.dense_seconds(model, [1, 3], repeats=2)
+    assert set(dense) == {1, 3} and all(len(t) == 2 and min(t) > 0 for t in dense.values())
+    assert len(cost_probe.dense_weights(model)) == 4 * model.config.num_hidden_layers + 1
+    assert len(cost_probe.dense_weights(model, 1)) == 5
+    forward = cost_probe.forward_seconds(model, num_seqs=2, query_len=5, context_len=20,
+                                         repeats=2)
+    assert len(forward) == 2 and min(forward) > 0
+    tuned = cost_probe.with_backend(model, CpuBackend(matmul="transposed"))
+    assert tuned.backend.name == "cpu" and model.backend.name == "numpy"
+    assert tuned.lm_head.plan.layout == "in_out"
+    tokens = list(range(3, 30))
+    assert max_rel_err(prefill_logits(tuned, tokens)[0], prefill_logits(model, tokens)[0]) \
+        < 1e-5
 
 
 def steps_of(rule, seq_ids, n):

@@ -29,4 +29,9 @@ def test_spec_quick(tmp_path, smollm2_dir, capsys):
     assert all(r["acceptance_rate"] > 0.3 and r["target_passes_per_token"] < 1.0
                for r in quote_ngram)
     assert png.stat().st_size > 1000
-    assert "quote-heavy, batch 1: ngram" in capsys.readouterr().out
+    verify = data["verify_pass"]
+    assert all(verify[name] > 0 and verify[f"{name}_one_row_ms"] > 0
+               for name in ("loaded", "plain", "reference"))
+    printed = capsys.readouterr().out
+    assert "quote-heavy, batch 1: ngram" in printed
+    assert "on the numpy reference" in printed

@@ -24,7 +24,11 @@ SELF = {"method": "draft_model", "num_speculative_tokens": 3, "model": "self",
 
 
 def make(smollm2_dir, spec=None, **kw):
-    return LLM(model=str(smollm2_dir), backend="numpy", progress=False,
+    """On the tuned CPU backend: these tests exercise speculation's control (proposals,
+    accept / residual, roll back) over hundreds of sampled rows, and float32 on every
+    machine (a GPU's "auto" would be float16); the reference's data plane is proven equal
+    to it in tests/test_backend_equality_cpu.py."""
+    return LLM(model=str(smollm2_dir), backend="cpu", progress=False,
                speculative_config=spec, **kw)
 
 
@@ -109,7 +113,7 @@ def test_sampled_first_two_tokens_keep_the_distribution(smollm2_dir):
 
 def test_generate_cli_prints_acceptance(smollm2_dir, capsys):
     from refserve.generate import main
-    rc = main(["--model", str(smollm2_dir), "--backend", "numpy", "--max-tokens", "12",
+    rc = main(["--model", str(smollm2_dir), "--backend", "cpu", "--max-tokens", "12",
                "--speculative-config", json.dumps(NGRAM), "--ignore-eos", QUOTE])
     assert rc == 0
     err = capsys.readouterr().err

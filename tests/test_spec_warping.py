@@ -98,17 +98,25 @@ def test_batched_warp_equals_the_rule_row_by_row(rows):
      dict(temperature=1.0, min_p=0.3, top_p=0.8), dict(temperature=0.0), dict(temperature=1e-6)],
 )
 def test_warp_is_the_distribution_the_sampler_draws_from(settings):
-    """Speculation must keep the distribution of ordinary sampling, so its p is exactly
-    refserve.sampling's: same rule, ties included (the logits repeat values)."""
-    from refserve.sampling import SamplingParams, probabilities
+    """Speculation must keep the distribution of ordinary sampling, so its p is exactly the
+    one the Sampler draws from (greedy: its argmax; else the reference draw's weights,
+    NumpyBackend.sample): same rule, ties included (the logits repeat values)."""
+    from refserve.backends.numpy_backend import sampling_weights
+    from refserve.sampling import SamplingParams, draw_arguments, make_generator
 
     rng = np.random.default_rng(4)
     logits = rng.integers(-8, 8, size=(6, 40)).astype(np.float32) / 2
     params = SamplingParams(**settings)
     ours = warp_target_and_draft(logits[None], None, [params])[0][0]
-    for row, probs in zip(logits, ours):
-        np.testing.assert_allclose(probs, probabilities(row, params), atol=2e-6)
-        assert ((probs == 0) == (probabilities(row, params) == 0)).all()
+    if params.greedy:
+        weights = np.eye(logits.shape[1])[np.argmax(logits, axis=-1)]
+    else:
+        args = draw_arguments([params] * len(logits), [make_generator(0)] * len(logits))
+        del args["uniforms"]
+        weights = sampling_weights(np, logits, **args).astype(np.float64)
+    for probs, w in zip(ours, weights / weights.sum(axis=-1, keepdims=True)):
+        np.testing.assert_allclose(probs, w, atol=2e-6)
+        assert ((probs == 0) == (w == 0)).all()
 
 
 def test_p_and_q_are_warped_with_the_same_request_settings():

@@ -1,10 +1,13 @@
-"""Backends: where the KV cache lives and how the paged-attention ops run.
+"""Backends: where the KV cache lives and how the data-plane ops run.
 
-    get_backend("numpy")  the NumPy reference backend (CPU)
+    get_backend("numpy")  the NumPy reference backend (CPU): every op the plainest
+                          correct way, what the course reads (numpy_backend.py)
+    get_backend("cpu")    the tuned CPU backend: the reference with the CPU speed-ups
+                          (cpu_backend.py), proven equal to it by tests
     get_backend("cupy")   the CuPy/CUDA backend (refserve/backends/cupy_backend.py); a
                           RuntimeError naming the cause when no CUDA GPU is usable
-    get_backend("auto")   cupy when a CUDA GPU is usable, otherwise numpy (the engine's
-                          start-up line says which: "auto→cupy" or "auto→numpy")
+    get_backend("auto")   cupy when a CUDA GPU is usable, otherwise cpu (the engine's
+                          start-up line says which: "auto→cupy" or "auto→cpu")
 
 "Usable" means: `import cupy` works (the `gpu` extra: cupy-cuda12x, or cupy-cuda13x for a
 CUDA 13 driver; both import as `cupy`) and cupy sees at least one CUDA device.
@@ -16,10 +19,12 @@ from __future__ import annotations
 
 from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
 from refserve.backends.base import Backend
+from refserve.backends.cpu_backend import CpuBackend
 from refserve.backends.numpy_backend import NumpyBackend
 from refserve.config import BACKENDS
 
-__all__ = ["PAD_BLOCK", "AttentionMetadata", "Backend", "NumpyBackend", "get_backend"]
+__all__ = ["PAD_BLOCK", "AttentionMetadata", "Backend", "CpuBackend", "NumpyBackend",
+           "get_backend"]
 
 
 def _gpu_unavailable_reason() -> str | None:
@@ -38,10 +43,10 @@ def _gpu_unavailable_reason() -> str | None:
 
 
 def get_backend(name: str = "auto", **options) -> Backend:
-    """Return a backend by name: "numpy", "cupy" or "auto".
+    """Return a backend by name: "numpy", "cpu", "cupy" or "auto".
 
     `options` go to the CuPy backend's constructor (e.g. device=0, enforce_eager=True) and
-    are ignored by the NumPy backend.
+    are ignored by the CPU backends.
 
     Raises:
         ValueError: `name` is not one of config.BACKENDS.
@@ -50,6 +55,8 @@ def get_backend(name: str = "auto", **options) -> Backend:
     """
     if name == "numpy":
         return NumpyBackend()
+    if name == "cpu":
+        return CpuBackend()
     if name in ("cupy", "auto"):
         reason = _gpu_unavailable_reason()
         if reason is None:
@@ -57,7 +64,7 @@ def get_backend(name: str = "auto", **options) -> Backend:
 
             return CupyBackend(**options)
         if name == "auto":
-            return NumpyBackend()
+            return CpuBackend()
         raise RuntimeError(
             "backend='cupy' needs the gpu extra (pip install -e '.[gpu]') and a CUDA GPU; "
             f"none found: {reason}"

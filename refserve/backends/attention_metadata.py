@@ -20,7 +20,7 @@ For `S` sequences and `T = sum(q_len)` query tokens, ordered with the *decode ro
     max_decode_context_len           over the decode rows (0 when there are none)
     query_start_loc_cpu, context_lens_cpu, block_tables_cpu
                                      host copies of the arrays, for loops launched per
-                                     sequence from the CPU (the NumPy backend's chunks)
+                                     sequence from the CPU (the CPU backends' loops)
 
 A layer may read the host values freely. It must never turn a device array into a host value
 (`int(a)`, `bool(a)`, `a.item()`, `a.tolist()`, `np.asarray(a)` on a GPU array): on a GPU

@@ -1,14 +1,21 @@
-"""The `Backend` interface: the data-plane ops of paged attention, plus array helpers.
+"""The `Backend` interface: the data-plane ops of one engine step, plus array helpers.
 
-The model's dense math (matmuls, RMSNorm, RoPE, SwiGLU) is written once against `backend.xp`
-(numpy or cupy). Only the ops that touch the *paged* KV cache live behind this interface,
-because they are the ones a GPU backend replaces with kernels:
+The model's elementwise math (RMSNorm, RoPE, SiLU, residual adds) is written once against
+`backend.xp` (numpy or cupy). The ops below live behind this interface, because they are the
+ones a faster backend replaces (with kernels on a GPU, with tuned forms on a CPU):
 
-    write_kv         scatter this step's K/V into their slots          (one scatter)
-    paged_attention  attention of each query over its paged context    (gather + softmax)
-    copy_blocks      copy whole blocks, for copy-on-write              (block copy)
-    swap_out         device blocks -> host blocks, swap preemption     (DMA to host)
-    swap_in          host blocks -> device blocks, resuming it         (DMA to device)
+    prepare_weight   a weight W [out, in] in the form `linear` takes       (once, at load)
+    linear           x · Wᵀ: every dense product of the model              (a matmul)
+    write_kv         scatter this step's K/V into their slots              (one scatter)
+    paged_attention  attention of each query over its paged context        (gather + softmax)
+    copy_blocks      copy whole blocks, for copy-on-write                  (block copy)
+    swap_out         device blocks -> host blocks, swap preemption         (DMA to host)
+    swap_in          host blocks -> device blocks, resuming it             (DMA to device)
+    sample           one token per logits row: temperature, top-k/p, min-p (sort + draw)
+    rejection_sample the accept / residual step of speculative decoding    (per row)
+
+Randomness enters every op as explicit uniforms, so two backends fed the same arrays can be
+compared exactly (tests/test_backend_equality_*.py).
 
 The host side of swapping is a second pool of blocks with the same layout, in host memory
 (`allocate_host_kv_cache`; its bookkeeping is refserve/kv_cache/host_pool.py).
@@ -65,12 +72,12 @@ class Backend(abc.ABC):
     def to_device(self, array: Any) -> Array:
         """Return `array` (NumPy or array-like) as an `xp` array on this backend's device.
 
-        Identity for an ndarray in the NumPy backend; a host-to-device copy on a GPU.
+        Identity for an ndarray on the CPU backends; a host-to-device copy on a GPU.
         """
 
     @abc.abstractmethod
     def to_numpy(self, array: Array) -> np.ndarray:
-        """Return `array` as a host `numpy.ndarray` (identity in the NumPy backend)."""
+        """Return `array` as a host `numpy.ndarray` (identity on the CPU backends)."""
 
     def resolve_dtype(self, dtype: str) -> np.dtype:
         """The numpy dtype for EngineConfig.dtype `dtype` ("auto" = this backend's default).
@@ -92,7 +99,7 @@ class Backend(abc.ABC):
         """Bytes of device memory still free (after the weights are loaded). With
         `total_device_memory` the engine sizes the KV pool by vLLM's rule: total ×
         gpu_memory_utilization - (total - free) - activations. None means the cache lives in
-        host memory, sized from `EngineConfig.kv_cache_memory_bytes` instead (NumPy)."""
+        host memory, sized from `EngineConfig.kv_cache_memory_bytes` instead (the CPU backends)."""
         return None
 
     def total_device_memory(self) -> int | None:
@@ -128,6 +135,28 @@ class Backend(abc.ABC):
             (self.xp.zeros(shape, dtype=dtype), self.xp.zeros(shape, dtype=dtype))
             for _ in range(num_layers)
         ]
+
+    # ------------------------------------------------------------ dense products
+
+    def prepare_weight(self, weight: Array) -> Any:
+        """`weight` W [out, in] (Hugging Face's layout, on this device, in the model's dtype)
+        in the form `linear` takes, called once per weight when the model loads. The
+        reference keeps W as it is; a tuned backend may store another layout or choose a
+        product form per shape here."""
+        return weight
+
+    def weight_matrix(self, weight: Any) -> Array:
+        """W [out, in] of a prepared weight, never a copy (a view where the backend stores
+        another layout). A tied embedding reads its rows here, so the table is stored once."""
+        return weight
+
+    @abc.abstractmethod
+    def linear(self, x: Array, weight: Any) -> Array:
+        """x [T, in] · Wᵀ -> [T, out], for `weight` from `prepare_weight(W)`, W [out, in].
+
+        Every dense product of the model is this one op. x is 2-D: a (T, 1, in) batch would
+        run as T separate products. The result may be a transposed view, which every later
+        op accepts."""
 
     # ------------------------------------------------------------ data plane
 
@@ -253,6 +282,36 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
+    # ---------------------------------------------------------------- sampling
+
+    @abc.abstractmethod
+    def sample(self, logits: Array, temperature: np.ndarray, top_k: np.ndarray,
+               top_p: np.ndarray, min_p: np.ndarray, uniforms: np.ndarray) -> Array:
+        """One token id per row of logits, each row with its own settings and uniform.
+
+        Shapes and dtypes (B rows, V = vocabulary size; host or device arrays, the backend
+        moves what it needs):
+            logits       [B, V]  float32  after the logits processors (refserve/sampling.py)
+            temperature  [B]     float64  > 0 (a greedy row never gets here: its token is
+                                          the argmax, taken by the Sampler)
+            top_k        [B]     int64    0 (or >= V): off
+            top_p        [B]     float32  1: off
+            min_p        [B]     float32  0: off
+            uniforms     [B]     float64  u in [0, 1), one per row
+            returns      [B]     int64    token ids, on this backend's device
+
+        Row b, with x = logits[b]: e = exp((x - max x) · (1/T)), with 1/T rounded once to
+        float32, is p up to a constant, and
+            min_p  keeps t with e[t] >= min_p                (p[t] >= min_p · max p)
+            top_k  keeps t with x[t] >= the k-th largest logit
+            top_p  keeps t iff, over the tokens min_p and top_k keep, the mass of those with
+                   a larger logit than t is < top_p of their total
+        each rule keeping the ties of its last kept token (equal logits stay or go
+        together; ties are decided on logits, never on rounded probabilities). Then
+            token = min{t : c_t > u · c_{V-1}},  c = running sum of e over the kept tokens
+                                                 in token-id order, in float64.
+        The reference is numpy_backend.sampling_weights / sample_tokens (a sort per row).
+        """
     # ------------------------------------------------------ speculative decoding
 
     def rejection_sample(

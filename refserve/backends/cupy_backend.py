@@ -15,8 +15,9 @@ only turns those `Launch` records into `cupy.RawModule` calls, so it stays small
                      the other rows (prefill chunks, verify): varlen_paged_attention_kernel
     rejection_sample rejection_sample_kernel: the speculative accept / residual step, tokens
                      bit-identical to the NumPy op for the same uniforms
-    sample           device_sampling.sample_tokens on cupy arrays (sort on the device): only
-                     the token ids leave the GPU
+    linear           x @ W.T, a cupy matmul (cuBLAS)
+    sample           the reference's sample_tokens with cupy (a sort per row on the device):
+                     only the token ids leave the GPU
 
 Nothing here reads a device value back to the host during a forward: every grid size comes
 from array shapes and the AttentionMetadata host scalars.
@@ -33,8 +34,8 @@ from typing import Any
 import numpy as np
 
 import refserve.backends.cuda_launch as cl
-import refserve.backends.device_sampling as device_sampling
 from refserve.backends.base import Backend, check_swap, contiguous_runs
+from refserve.backends.numpy_backend import sample_tokens
 
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
@@ -209,6 +210,12 @@ class CupyBackend(Backend):
             work[name] = buffer[:size].reshape(shape)
         return work
 
+    # ------------------------------------------------------------ dense products
+
+    def linear(self, x, weight):
+        """x @ W.T as a cupy matmul (cuBLAS), W [out, in] as loaded."""
+        return x @ weight.T
+
     # ------------------------------------------------------ speculative decoding
 
     def rejection_sample(self, draft_token_ids, draft_probs, target_probs, accept_uniforms,
@@ -235,22 +242,10 @@ class CupyBackend(Backend):
 
     # --------------------------------------------------------------------- sampling
 
-    def sample(self, logits, params, uniforms):
-        """One token per row of device logits [B, V] with each row's SamplingParams and its
-        uniform (read for non-greedy rows only), on the device: int64 [B] device array.
-
-        The rule is refserve/sampling.py's (device_sampling.py says where the two may differ:
-        only at float rounding of a CDF boundary). Rows with logits processors (penalties,
-        logit_bias, allowed_token_ids, bad_words, min_tokens) or logprobs are not supported
-        here (device_sampling.rows_supported): use the host Sampler for them.
-        """
-        if not device_sampling.rows_supported(params):
-            raise ValueError("CupyBackend.sample: logits processors (penalties, logit_bias, "
-                             "allowed_token_ids, bad_words, min_tokens) and logprobs run on "
-                             "the host Sampler (device_sampling.rows_supported is False)")
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniforms):
+        """See Backend.sample: the reference's own code (numpy_backend.sample_tokens, a sort
+        per row) run with cupy on the device; only the B token ids are left to copy back."""
         xp = self.xp
-        arrays = device_sampling.sampling_arrays(params, logits.shape[1])
-        return device_sampling.sample_tokens(
-            xp, logits, xp.asarray(arrays["temperature"]), xp.asarray(arrays["top_k"]),
-            xp.asarray(arrays["top_p"]), xp.asarray(arrays["min_p"]),
-            xp.asarray(np.asarray(uniforms, dtype=np.float64)))
+        return sample_tokens(xp, xp.asarray(logits), xp.asarray(temperature),
+                             xp.asarray(top_k), xp.asarray(top_p), xp.asarray(min_p),
+                             xp.asarray(uniforms))

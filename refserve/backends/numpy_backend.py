@@ -1,78 +1,35 @@
-"""The NumPy reference backend: paged attention written as plain array math, on the CPU.
+"""The NumPy reference backend: every data-plane op written the plainest correct way, on the CPU.
 
-Everything runs in float32 (a stray float64 scalar would promote whole score matrices to
-float64 and make attention 4-6x slower; `scale` is therefore cast to np.float32 first).
+This is the backend the course reads (`backend="numpy"`). Each op is its definition in NumPy:
 
-Attention, for one query at position p of a sequence whose keys are K, V:
+    linear           x @ W.T
+    write_kv         k_slots[slot_mapping] = k                 (one scatter)
+    copy_blocks      cache[dst] = cache[src]
+    swap_out/in      host[dst] = cache[src]; cache[dst] = host[src]
+    paged_attention  one sequence at a time: gather its keys and values through its block
+                     table, then softmax(q · Kᵀ · scale + causal mask) · V
+    sample           sort each row, keep what min_p / top_k / top_p keep, inverse CDF
+    rejection_sample refserve/spec_decode/rejection_sampler.py (Backend.rejection_sample)
 
-    scores = q · K[:p+1]ᵀ · scale            (one score per visible key)
-    out    = softmax(scores) · V[:p+1]
+Nothing here exists for speed. The tuned CPU backend (cpu_backend.py, `backend="cpu"`, what
+`backend="auto"` picks without a GPU) overrides the ops a CPU runs faster another way, and
+tests/test_backend_equality_cpu.py proves it equal to this file, op by op.
 
-There is no attention kernel to read the paged cache directly, so each path first brings a
-sequence's keys into one array:
+Everything runs in float32: `scale` is cast to the queries' dtype first, because a float64
+scalar would silently promote every score matrix to float64.
 
-  * decode batch (every sequence with q_len == 1): gather the blocks of all of them with their
-    block tables into `[B, max_blocks * block_size, num_kv_heads, head_dim]`, mask the padding
-    keys (position >= context_len), and run the whole batch as two batched matmuls.
-  * per-sequence chunks (q_len > 1: prefill, a chunk in the middle of a prompt, a verify):
-    gather this sequence's blocks, apply the causal mask inside the chunk.
-  * contiguous special case: when a context fits in its sequence's first block (the naive
-    cache with block_size = max_model_len, one block per sequence), `k_cache[block, :L]` is
-    already a contiguous `[L, num_kv_heads, head_dim]` view, so it is read without any copy.
-
-Nothing here reads a device array back to the host (which on a GPU would stall the queue in
-every layer): sizes and per-sequence loop bounds come from the `AttentionMetadata`'s host
-scalars and host copies, and what every layer shares (the decode gather table, the padding
-mask) is built once per step and cached on the metadata.
+Nothing here reads a device array back to the host (on a GPU that would stall the queue in
+every layer): the per-sequence loop takes its bounds from the `AttentionMetadata`'s host
+copies, like a kernel grid launched from the CPU.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
-from refserve.backends.base import PAD_BLOCK, AttentionMetadata, Backend, check_swap
-
-# Prefill chunks are processed this many query tokens at a time, which bounds the score
-# matrix at [num_heads, tile, L] floats, and lets each tile skip the keys after its last query
-# (they are all causally masked), roughly halving the work of a full prefill.
-_QUERY_TILE = 256
-
-# The decode batch reads contiguous-cache contexts as per-sequence views only when the
-# longest context is at least this many keys. Below it, the Python loop over sequences costs
-# more than gathering the (short) contexts once and running one batched matmul. Measured on a
-# 2-core CPU at SmolLM2 shapes (32 decodes): the break-even is between 32 and 48 keys.
-_VIEW_MIN_CONTEXT = 48
-
-_NEG_INF = np.float32(-np.inf)
-_ZERO = np.float32(0.0)
-
-
-def _attend(q: np.ndarray, k_t: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """softmax(q · Kᵀ + bias) · V over the last axis, in float32, numerically stable.
-
-    Shapes (leading axes broadcast like np.matmul):
-        q:     [..., M, D]   queries, already multiplied by `scale`
-        k_t:   [..., D, N]   keys, transposed
-        v:     [..., N, D]
-        bias:  broadcastable to [..., M, N]: 0 where the key is visible, -inf where masked
-        returns [..., M, D]
-
-    Stability: softmax(s) = exp(s - max(s)) / sum(exp(s - max(s))); subtracting the row max
-    keeps every exponent <= 0, so nothing overflows. Every row has at least one visible key,
-    so the max is finite and masked keys get exactly exp(-inf) = 0.
-    """
-    scores = q @ k_t  # [..., M, N]
-    scores += bias
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)  # in place: the score matrix is the largest temporary
-    denom = scores.sum(axis=-1, keepdims=True)
-    out = scores @ v  # [..., M, D]
-    # Normalising after the matmul divides M*D numbers instead of M*N.
-    out /= denom
-    return out
+from refserve.backends.base import AttentionMetadata, Backend, check_swap
 
 
 class NumpyBackend(Backend):
@@ -80,13 +37,6 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     xp = np
-
-    def __init__(self) -> None:
-        # Reusable gather buffers for the decode batch, one per cache ("k", "v"), grown to the
-        # largest batch seen. A fresh multi-MB array per layer costs a page fault per 4 KiB
-        # page, which measured as 2/3 of the gather time; reusing the memory removes it.
-        # Nothing returned to the caller aliases these buffers.
-        self._scratch: dict[str, np.ndarray] = {}
 
     # ------------------------------------------------------------------ arrays
 
@@ -103,8 +53,14 @@ class NumpyBackend(Backend):
         bfloat16, and float16 matmuls on a CPU are emulated and slow)."""
         if dtype in ("auto", "float32"):
             return np.dtype(np.float32)
-        raise ValueError(f"dtype={dtype!r}: the numpy backend computes in float32; use "
+        raise ValueError(f"dtype={dtype!r}: the {self.name} backend computes in float32; use "
                          "dtype='float32' or the cupy backend")
+
+    # ------------------------------------------------------------ dense products
+
+    def linear(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """x @ W.T: x [T, in], W [out, in] as loaded (`prepare_weight` keeps it as it is)."""
+        return x @ weight.T
 
     # -------------------------------------------------------------- write_kv
 
@@ -188,192 +144,27 @@ class NumpyBackend(Backend):
     ) -> np.ndarray:
         """q `[T, H, D]` -> out `[T, H, D]`, same dtype. See `Backend.paged_attention`.
 
-        Rows 0 .. num_decodes-1 (q_len == 1) go through one vectorised batch; the others
-        (chunks of q_len > 1) are computed one sequence at a time, their sizes read from the
-        metadata's host copies. No device value is read back: every `if` and every size
-        below is a host scalar of `attn` or an array shape.
+        One sequence at a time, whatever its kind (a decode, a prefill chunk, a verify):
+        gather its context through its block table, then causal attention of its queries
+        over it.
         """
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (
-            f"cache {k_cache.shape} / {v_cache.shape} does not match q head_dim {head_dim}"
-        )
-        assert num_heads % num_kv_heads == 0, (
-            f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
-        )
-        # Cast once to q's dtype: a float64 scale would silently promote every score matrix.
+        check_attention_shapes(q, k_cache, v_cache)
         scale = q.dtype.type(scale)
-
         out = np.empty_like(q)
-        num_decodes = attn.num_decodes
-        if num_decodes > 0:
-            out[:num_decodes] = self._decode_batch(q[:num_decodes], k_cache, v_cache, attn,
-                                                   scale)
-        # Host copies: the per-sequence loop is launched from the CPU, like a kernel grid.
         qsl, ctx = attn.query_start_loc_cpu, attn.context_lens_cpu
-        for i in range(num_decodes, attn.num_seqs):
-            start, end = int(qsl[i]), int(qsl[i + 1])
-            out[start:end] = self._chunk(q[start:end], k_cache, v_cache,
-                                         attn.block_tables_cpu[i], int(ctx[i]), scale)
+        for i in range(attn.num_seqs):
+            start, end, context_len = int(qsl[i]), int(qsl[i + 1]), int(ctx[i])
+            table = attn.block_tables_cpu[i]
+            keys = gather_context(k_cache, table, context_len)    # [L, Hkv, D]
+            values = gather_context(v_cache, table, context_len)
+            out[start:end] = causal_attention(q[start:end], keys, values, scale)
         return out
 
-    @staticmethod
-    def _gather_context(cache: np.ndarray, block_table: np.ndarray, num_keys: int) -> np.ndarray:
-        """The first `num_keys` tokens of one sequence as `[num_keys, num_kv_heads, head_dim]`.
+    # ---------------------------------------------------------------- sampling
 
-        `block_table` is the row's host copy. Key n sits in block `block_table[n //
-        block_size]` at offset `n % block_size`, so gathering the first ceil(num_keys /
-        block_size) blocks and flattening them lines the keys up in position order; padding
-        entries lie past those blocks and are never read. If the keys all sit in the first
-        block (the contiguous cache), a slice of that block is already the answer: a view.
-        """
-        # BEGIN EXERCISE paged_attention_gather: key n is in block block_table[n // bs] at n % bs
-        block_size = cache.shape[1]
-        if num_keys <= block_size:
-            return cache[block_table[0], :num_keys]
-        num_blocks = -(-num_keys // block_size)
-        blocks = np.take(cache, block_table[:num_blocks], axis=0)  # [nb, block_size, Hkv, D]
-        return blocks.reshape(-1, *cache.shape[2:])[:num_keys]
-        # END EXERCISE
-
-    def _chunk(
-        self,
-        q: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        block_table: np.ndarray,
-        context_len: int,
-        scale: np.float32,
-    ) -> np.ndarray:
-        """Causal attention of one chunk of `q_len` queries `[q_len, H, D]` at the end of a
-        context of `context_len` keys. Returns `[q_len, H, D]`.
-
-        Query j sits at position `context_len - q_len + j` and sees keys 0 ..= that position.
-        Grouped-query heads: q is viewed as `[Hkv, G, q_len, D]` (head h = kv * G + g, so
-        h // G = kv) and each kv head's keys serve its G query heads through broadcasting.
-        """
-        q_len, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        first_pos = context_len - q_len  # position of query 0
-
-        keys = self._gather_context(k_cache, block_table, context_len)  # [L, Hkv, D]
-        values = self._gather_context(v_cache, block_table, context_len)
-        # [L, Hkv, D] -> keys transposed per kv head [Hkv, 1, D, L] and values [Hkv, 1, L, D];
-        # the 1 broadcasts over the G query heads of the group.
-        k_t = keys.transpose(1, 2, 0)[:, None]
-        v = values.transpose(1, 0, 2)[:, None]
-        # [q_len, H, D] -> [Hkv, G, q_len, D]
-        q_grouped = (q * scale).reshape(q_len, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
-
-        out = np.empty((num_kv_heads, group, q_len, head_dim), dtype=q.dtype)
-        for start in range(0, q_len, _QUERY_TILE):
-            end = min(start + _QUERY_TILE, q_len)
-            # Keys after the tile's last query position are masked for the whole tile.
-            num_keys = first_pos + end
-            query_pos = first_pos + np.arange(start, end)  # [tile]
-            key_pos = np.arange(num_keys)  # [num_keys]
-            causal_bias = np.where(key_pos[None, :] <= query_pos[:, None], _ZERO, _NEG_INF)
-            out[:, :, start:end] = _attend(
-                q_grouped[:, :, start:end],
-                k_t[..., :num_keys],
-                v[..., :num_keys, :],
-                causal_bias,  # [tile, num_keys], broadcast over [Hkv, G]
-            )
-        # [Hkv, G, q_len, D] -> [q_len, H, D]
-        return out.transpose(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
-
-    def _decode_plan(self, attn: AttentionMetadata, block_size: int):
-        """What every layer's decode batch shares, built by the first layer of the step and
-        cached on the metadata: (gather table [B, nb], key limit, mask bias [B, 1, 1, keys]).
-
-        Gather table: the first nb = ceil(max_decode_context_len / block_size) columns of the
-        decode rows' block tables, with PAD_BLOCK entries replaced by the row's own first block,
-        so the gather never dereferences a padding id (the keys read there are masked).
-        """
-        plan = attn.backend_cache.get("numpy_decode")
-        if plan is None:
-            batch, max_len = attn.num_decodes, attn.max_decode_context_len
-            num_blocks = -(-max_len // block_size)
-            table = attn.block_tables[:batch, :num_blocks]
-            table = np.where(table == PAD_BLOCK, table[:, :1], table)
-            # When every context fits in one block, gather only its first max_len slots (not
-            # the whole, possibly max_model_len-long, block).
-            num_keys = max_len if num_blocks == 1 else num_blocks * block_size
-            # Key n of row b is visible iff n < context_lens[b]; the rest (the tail of a partly
-            # filled block, or whole padding blocks) gets weight exp(-inf) = 0.
-            visible = np.arange(num_keys)[None, :] < attn.context_lens[:batch, None]
-            bias = np.where(visible, _ZERO, _NEG_INF)[:, None, None, :]
-            plan = attn.backend_cache["numpy_decode"] = (table, num_keys, bias)
-        return plan
-
-    def _decode_batch(
-        self,
-        q: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        attn: AttentionMetadata,
-        scale: np.float32,
-    ) -> np.ndarray:
-        """Attention of B = num_decodes single-token queries `[B, H, D]`, each at the end of
-        its own context (no causal mask inside the chunk: the query sees all context_lens[b]
-        keys). Returns `[B, H, D]`.
-
-        The blocks of all B contexts are gathered into one padded batch
-        `[B, num_keys, Hkv, D]` (reused scratch memory) and the whole batch runs as two
-        batched matmuls. Measured at 32 decodes of 100-200 keys: gathering each row's own
-        blocks in a Python loop copies 25% less but is no faster than this one `take`.
-        """
-        batch, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        # [B, H, D] -> [B, Hkv, G, D]: the G query heads of a kv head are the rows of one
-        # matmul against that kv head's keys.
-        q_grouped = (q * scale).reshape(batch, num_kv_heads, group, head_dim)
-        max_len = attn.max_decode_context_len
-        if _VIEW_MIN_CONTEXT <= max_len <= block_size:
-            # Contiguous cache: every context is a view of its first block, no gather. The
-            # loop reads lengths and block ids from the metadata's host copies.
-            out = np.empty_like(q_grouped)
-            for b in range(batch):
-                block, length = attn.block_tables_cpu[b, 0], attn.context_lens_cpu[b]
-                out[b] = _attend(
-                    q_grouped[b],  # [Hkv, G, D]
-                    k_cache[block, :length].transpose(1, 2, 0),  # [Hkv, D, L] view
-                    v_cache[block, :length].transpose(1, 0, 2),  # [Hkv, L, D] view
-                    _ZERO,  # a decode query sees its whole context: nothing to mask
-                )
-            return out.reshape(batch, num_heads, head_dim)
-
-        table, num_keys, bias = self._decode_plan(attn, block_size)
-        if num_keys < block_size:
-            k_cache, v_cache = k_cache[:, :num_keys], v_cache[:, :num_keys]
-        keys = self._gather_blocks("k", k_cache, table)  # [B, nb, block_size', Hkv, D]
-        values = self._gather_blocks("v", v_cache, table)
-        keys = keys.reshape(batch, num_keys, num_kv_heads, head_dim)
-        values = values.reshape(batch, num_keys, num_kv_heads, head_dim)
-        out = _attend(
-            q_grouped,  # [B, Hkv, G, D]
-            keys.transpose(0, 2, 3, 1),  # [B, Hkv, D, num_keys]
-            values.transpose(0, 2, 1, 3),  # [B, Hkv, num_keys, D]
-            bias,
-        )
-        return out.reshape(batch, num_heads, head_dim)
-
-    def _gather_blocks(self, which: str, cache: np.ndarray, table: np.ndarray) -> np.ndarray:
-        """`cache[table]` (shape `[*table.shape, block_size, Hkv, D]`) written into a reused
-        scratch buffer instead of a fresh array. Valid until the next call with `which`."""
-        shape = table.shape + cache.shape[1:]
-        size = math.prod(shape)
-        buffer = self._scratch.get(which)
-        if buffer is None or buffer.size < size or buffer.dtype != cache.dtype:
-            buffer = np.empty(size, dtype=cache.dtype)
-            self._scratch[which] = buffer
-        out = buffer[:size].reshape(shape)
-        # mode="clip" lets take write straight into `out` (the default mode="raise" gathers
-        # into a temporary first). Ids come from block tables the KV-cache manager filled, with
-        # padding replaced (see _decode_plan), so nothing is clipped.
-        return np.take(cache, table, axis=0, out=out, mode="clip")
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
+        """One token per row: `sample_tokens` below, with NumPy. See `Backend.sample`."""
+        return sample_tokens(np, logits, temperature, top_k, top_p, min_p, uniforms)
 
     # ------------------------------------------------------ speculative decoding
 
@@ -392,3 +183,105 @@ class NumpyBackend(Backend):
         return rejection_sample(
             draft_token_ids, draft_probs, target_probs, accept_uniforms, draw_uniforms
         )
+
+
+def check_attention_shapes(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray) -> None:
+    """q [T, H, D] and caches [num_blocks, block_size, Hkv, D] of one head_dim, H a multiple
+    of Hkv (each kv head serves a whole group of query heads)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (
+        f"cache {k_cache.shape} / {v_cache.shape} does not match q head_dim {head_dim}"
+    )
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+    )
+
+
+def gather_context(cache: np.ndarray, block_table: np.ndarray, num_keys: int) -> np.ndarray:
+    """The first `num_keys` tokens of one sequence, `[num_keys, num_kv_heads, head_dim]`, in
+    position order. `cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`;
+    `block_table`: the sequence's row of physical block ids (host copy).
+
+    Key n lives in physical block `block_table[n // block_size]` at offset `n % block_size`,
+    that is in flat slot `block_table[n // block_size] * block_size + n % block_size` of the
+    cache seen as one row per slot. Entries of the table past the context (PAD_BLOCK) are
+    never read.
+    """
+    # BEGIN EXERCISE paged_attention_gather: key n is in block block_table[n // bs] at n % bs
+    block_size = cache.shape[1]
+    positions = np.arange(num_keys)
+    blocks = block_table[positions // block_size].astype(np.int64)
+    slots = blocks * block_size + positions % block_size
+    return cache.reshape(-1, *cache.shape[2:])[slots]
+    # END EXERCISE
+
+
+def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                     scale: np.floating) -> np.ndarray:
+    """softmax(q · Kᵀ · scale + causal mask) · V for one sequence's chunk of queries.
+
+    q `[q_len, H, D]` holds the last q_len positions of the context; keys, values
+    `[L, Hkv, D]` all L keys of the context (this chunk's included). Query j sits at position
+    `L - q_len + j` and sees keys 0 ..= that position. Grouped-query attention: head h reads
+    kv head `h // (H // Hkv)`, so each kv head is repeated for the H // Hkv heads of its
+    group. Returns `[q_len, H, D]`.
+
+    Stability: softmax(s) = exp(s - max s) / sum(exp(s - max s)). Every query sees key 0, so
+    each row's max is finite, every exponent is <= 0, and a masked key gets exp(-inf) = 0.
+    """
+    q_len, num_heads, _ = q.shape
+    context_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    k = np.repeat(keys, group, axis=1).transpose(1, 2, 0)       # [H, D, L]
+    v = np.repeat(values, group, axis=1).transpose(1, 0, 2)     # [H, L, D]
+    scores = (q * scale).transpose(1, 0, 2) @ k                 # [H, q_len, L]
+    query_pos = context_len - q_len + np.arange(q_len)
+    visible = np.arange(context_len)[None, :] <= query_pos[:, None]   # [q_len, L]
+    scores = np.where(visible, scores, -np.inf)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    return (probs @ v).transpose(1, 0, 2)                       # [q_len, H, D]
+
+
+def sampling_weights(xp: Any, logits, temperature, top_k, top_p, min_p):
+    """Per row of `logits` [B, V], the unnormalised distribution a token is drawn from:
+    `exp((x - max x) · (1/T))` on the tokens min_p, top_k and top_p keep, 0 elsewhere. The
+    per-row arrays are `Backend.sample`'s. [B, V] float32, written against `xp` (numpy or
+    cupy), so the CuPy backend runs this same rule on the device.
+
+    Every rule keeps a prefix of the row sorted largest first, so the rules are applied
+    there and the kept set is then "every logit >= the smallest kept one" (ties with the
+    last kept token stay):
+        min_p   keep e >= min_p, e = exp((x - max) / T) = p / max p
+        top_k   keep x >= the k-th largest x
+        top_p   renormalise over what is kept; keep a token while the mass ranked before it
+                is < top_p (the first token of a run of ties decides for the run)
+    """
+    x = logits.astype(xp.float32, copy=False)
+    batch, vocab = x.shape
+    rows = xp.arange(batch)
+    # 1/T rounded once to float32: the exponent is (x - max) · (1/T) in float32.
+    inv_t = (1.0 / temperature).astype(xp.float32)
+    desc = xp.sort(x, axis=-1)[:, ::-1]                            # largest first
+    e = xp.exp((desc - desc[:, :1]) * inv_t[:, None])              # e[:, 0] = 1
+    k = xp.where((top_k > 0) & (top_k < vocab), top_k, vocab)       # 0 or >= V: off
+    keep = (desc >= desc[rows, k - 1][:, None]) & (e >= min_p[:, None])
+    p = xp.where(keep, e, xp.float32(0))
+    p = p / p.sum(axis=-1, keepdims=True)
+    before = xp.zeros_like(p)                                       # mass ranked before
+    before[:, 1:] = xp.cumsum(p[:, :-1], axis=-1)
+    keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1)
+    smallest_kept = desc[rows, keep.sum(axis=-1) - 1]
+    return xp.where(x >= smallest_kept[:, None],
+                    xp.exp((x - desc[:, :1]) * inv_t[:, None]), xp.float32(0))
+
+
+def sample_tokens(xp: Any, logits, temperature, top_k, top_p, min_p, uniforms):
+    """One token id per row (int64 [B]): the inverse CDF of `sampling_weights` at the row's
+    uniform u, token = min{t : c_t > u · c_{V-1}} with c the running sum of the weights in
+    token-id order, in float64. A zero weight adds nothing to c, so it is never drawn."""
+    weights = sampling_weights(xp, logits, temperature, top_k, top_p, min_p)
+    cdf = xp.cumsum(weights.astype(xp.float64), axis=-1)
+    target = xp.asarray(uniforms, dtype=xp.float64) * cdf[:, -1]
+    return (cdf <= target[:, None]).sum(axis=-1).astype(xp.int64)

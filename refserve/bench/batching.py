@@ -1,7 +1,12 @@
 """`batching`: continuous vs static batching vs transformers' batched `generate`, on a
 long-tailed, decode-heavy workload; plus one decode step taken apart at 16 and 32 running:
 the forward, what runs outside it, the sampler, and the dense-matmul floor (the step's
-weight products alone, each layer's own weights read from memory as the forward reads them)."""
+weight products alone, each layer's own weights read from memory as the forward reads them).
+
+The systems run on --backend (default auto: the tuned CPU backend without a GPU). Beside
+them, unless --no-reference or --backend numpy, the same workload runs continuously on the
+NumPy reference backend, and its decode step is taken apart at the largest running count:
+what the plainly written reference costs next to the tuned backend."""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import numpy as np
 
 from refserve.bench.common import ms, print_table, pyplot, save_figure, traced
 from refserve.bench.workloads import Workload, make_workload
+from refserve.config import BACKENDS
 from refserve.sampling import SamplingParams
+from refserve.speculation.cost_probe import dense_seconds
 
 HELP = "continuous vs static batching vs transformers' generate"
 
@@ -26,6 +33,10 @@ def add_arguments(p) -> None:
                    help="running sequences at which one decode step is taken apart")
     p.add_argument("--overhead-steps", type=int, default=20)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="the backend of the refserve systems (auto: cupy on a GPU, else cpu)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the run on the NumPy reference backend")
 
 
 def apply_quick(args) -> None:
@@ -147,7 +158,8 @@ def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
         engine.step()
     floor = dense_matmul_floor(engine.model, running)
     step_ms = 1000 * in_step / steps
-    return {"running": running, "steps": steps, "step_ms": step_ms,
+    return {"backend": engine.backend.name, "running": running, "steps": steps,
+            "step_ms": step_ms,
             "forward_ms": 1000 * in_fwd / steps,
             "outside_forward_ms": 1000 * (in_step - in_fwd) / steps,
             "outside_forward_fraction": (in_step - in_fwd) / in_step,
@@ -158,12 +170,12 @@ def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
 
 def dense_matmul_floor(model, rows: int, repeats: int = 5) -> float:
     """Milliseconds for one decode step's dense products alone at `rows` rows: per layer
-    q/k/v, o, gate/up and down, plus the LM head, with the model's own weights and forms
-    (refserve.models.llama.linear; `LlamaModel.dense_seconds`). Every layer's weights are
+    q/k/v, o, gate/up and down, plus the LM head, with the model's own weights and its
+    backend's `linear` (speculation/cost_probe.dense_seconds). Every layer's weights are
     distinct, 538 MB for SmolLM2-135M, so they stream from memory as in the forward (one
     layer's 14 MB reused 30 times would sit in the 32 MB L3 and make the floor optimistic).
     The best of `repeats`: a floor no decode step of this model beats on this machine."""
-    return 1000 * min(model.dense_seconds([rows], repeats=repeats)[rows])
+    return 1000 * min(dense_seconds(model, [rows], repeats=repeats)[rows])
 
 
 BATCH_COLS = [("system", "system", ""), ("tokens_per_s", "tok/s", ".1f"),
@@ -181,40 +193,57 @@ def run(args) -> dict:
 
     common = dict(model=args.model, max_num_seqs=args.max_running, progress=False,
                   max_num_batched_tokens=args.max_num_batched_tokens)
-    cont = traced(args, LLM(**common), "continuous")
+    cont = traced(args, LLM(backend=args.backend, **common), "continuous")
+    backend = cont.llm_engine.backend.name
     vocab = cont.llm_engine.model.config.vocab_size
     wl = make_workload(args.num_requests, args.seed, vocab, mean_output=args.mean_output)
     print(f"workload: {len(wl.prompts)} requests, prompts {min(map(len, wl.prompts))}-"
           f"{max(map(len, wl.prompts))} tokens, outputs {min(wl.output_lens)}-"
           f"{max(wl.output_lens)} (mean {np.mean(wl.output_lens):.0f}), greedy, ignore_eos, "
-          f"max {args.max_running} running", flush=True)
+          f"max {args.max_running} running, backend {args.backend}→{backend}", flush=True)
     rows = [run_refserve(cont, wl, "refserve continuous")]
-    static = traced(args, LLM(batching="static", **common), "static")
+    static = traced(args, LLM(backend=args.backend, batching="static", **common), "static")
     rows.append(run_refserve(static, wl, "refserve static"))
     assert rows[1]["outputs"] == rows[0]["outputs"], "static and continuous outputs differ"
+    del static
+    with_reference = backend != "numpy" and not args.no_reference
+    if with_reference:
+        reference = traced(args, LLM(backend="numpy", **common), "continuous, reference")
+        rows.append(run_refserve(reference, wl, "refserve numpy reference"))
+        rows[-1]["same_outputs_as_refserve"] = sum(
+            a == b for a, b in zip(rows[-1]["outputs"], rows[0]["outputs"]))
+        del reference
     if not args.no_hf:
         rows.append(run_transformers(cont.llm_engine.model_path, wl, args.max_running))
-        same = sum(a == b for a, b in zip(rows[2]["outputs"], rows[0]["outputs"]))
-        rows[2]["same_outputs_as_refserve"] = same
+        rows[-1]["same_outputs_as_refserve"] = sum(
+            a == b for a, b in zip(rows[-1]["outputs"], rows[0]["outputs"]))
     for r in rows:
         r["ms_per_step"] = 1000 * r["elapsed_s"] / max(r["steps"], 1)
-    del static, cont
+    del cont
     # Its own engine: the batching engines run at most --max-running sequences at once.
-    wide = LLM(**{**common, "max_num_seqs": max(args.overhead_running)})
+    wide_config = {**common, "max_num_seqs": max(args.overhead_running)}
+    wide = LLM(backend=args.backend, **wide_config)
     overheads = [overhead_at(wide, n, args.overhead_steps, vocab)
                  for n in sorted(args.overhead_running)]
+    del wide
+    if with_reference:
+        overheads.append(overhead_at(LLM(backend="numpy", **wide_config),
+                                     max(args.overhead_running), args.overhead_steps, vocab))
     result = {"rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
-              "overheads": overheads, "overhead": overheads[-1]}
+              "overheads": overheads,
+              "overhead": max((o for o in overheads if o["backend"] == backend),
+                              key=lambda o: o["running"])}
     print()
     print_table(result["rows"], BATCH_COLS)
     base = rows[0]["tokens_per_s"]
     for r in rows[1:]:
         print(f"continuous / {r['system']}: {base / r['tokens_per_s']:.2f}x useful tokens/s")
-    if not args.no_hf:
-        print(f"transformers greedy outputs identical to refserve's for "
-              f"{rows[2]['same_outputs_as_refserve']}/{len(wl.prompts)} requests")
+    for r in rows[2:]:
+        print(f"{r['system']}: greedy outputs identical to refserve continuous's for "
+              f"{r['same_outputs_as_refserve']}/{len(wl.prompts)} requests")
     for o in overheads:
-        print(f"decode step at {o['running']} running: {o['step_ms']:.1f} ms, forward "
+        print(f"decode step at {o['running']} running, {o['backend']} backend: "
+              f"{o['step_ms']:.1f} ms, forward "
               f"{o['forward_ms']:.1f} ms, outside the forward {o['outside_forward_ms']:.2f} ms "
               f"({o['outside_forward_fraction']:.1%}); dense-matmul floor (distinct weights) "
               f"{o['dense_matmul_floor_ms']:.1f} ms, step / floor = {o['step_over_floor']:.2f}x;"
@@ -228,8 +257,10 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     names = [r["system"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.bar(names, [r["tokens_per_s"] for r in rows], color=["tab:green", "tab:orange",
-                                                           "tab:gray"][:len(rows)])
+    colors = {"refserve continuous": "tab:green", "refserve static": "tab:orange",
+              "transformers generate": "tab:gray"}
+    a.bar(names, [r["tokens_per_s"] for r in rows],
+          color=[colors.get(name, "tab:blue") for name in names])
     a.set_ylabel("useful output tokens / s")
     a.set_title("Throughput")
     used = [r["slot_steps_used"] for r in rows]

@@ -1,6 +1,6 @@
 """sim-fidelity: how far the simulator is from the real engine, measured in the same run.
 
-1. FIT. A short profiling run of the real engine (this machine, the NumPy backend): batches
+1. FIT. A short profiling run of the real engine (this machine, the tuned CPU backend): batches
    of 1..16 requests with prompts of 24..500 tokens (and one of 700), so its steps range
    from one decode row to full-budget prefill chunks mixed with decodes. Every step's
    composition and wall time (LLMEngine.observer) go to `step_fit.fit`, which sets the
@@ -202,7 +202,7 @@ def workloads_to_test(scale: float, vocab: int, seed: int) -> dict[str, tuple[di
 def make_engine(args, observer=None, **config):
     from refserve.engine import LLMEngine
 
-    engine = LLMEngine(model=args.model, backend="numpy", progress=False, **config)
+    engine = LLMEngine(model=args.model, backend="cpu", progress=False, **config)
     # Warm-up outside the measurement: first calls allocate and pick BLAS kernels.
     warm = [Request(f"warm{i}", 0.0, [1000 + i] * 40, 4) for i in range(2)]
     # (the warm-up's Run is thrown away)

@@ -13,12 +13,14 @@ output tokens/s, speedup over none (same workload, same batch), acceptance rate,
 accepted length, target passes per output token, and how many greedy outputs are token-
 identical to none's (speculation must not change greedy output).
 
-Before the cells, the cost of a verify pass: a 5-row forward (1 + k with k = 4) over a
-1-row forward of the target, batch 1, 64 tokens of context, both medians of 7 interleaved
-wall-clock runs, once with the products the model loaded with (refserve/models/
-few_row_matmul.py: calibrated forms for 2-64 rows) and once as one gemv / sgemm each
-(`REFSERVE_MATMUL=plain`); and the verify / plain pass ratio the adaptive rule measured at
-start-up, at batch 1 and at batch 8.
+The systems run on --backend (default auto: the tuned CPU backend without a GPU; numpy: the
+reference). Before the cells, the cost of a verify pass: a 5-row forward (1 + k with k = 4)
+over a 1-row forward of the target, batch 1, 64 tokens of context, both medians of 7
+interleaved wall-clock runs, with the products the model loaded with (the tuned backend:
+refserve/backends/few_row_matmul.py, calibrated forms for 2-64 rows), as one gemv / sgemm
+each (`REFSERVE_MATMUL=plain`), and on the NumPy reference backend (x @ W.T, plain
+attention); and the verify / plain pass ratio the adaptive rule measured at start-up, at
+batch 1 and at batch 8.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from tqdm import tqdm
 
 from refserve.bench.common import print_table, pyplot, save_figure, traced
 from refserve.bench.corpus import passage
+from refserve.config import BACKENDS
 from refserve.sampling import SamplingParams
+from refserve.speculation import cost_probe
 
 HELP = "speculative decoding: none vs n-gram vs self-draft, quote-heavy and creative"
 
@@ -50,6 +54,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch1-requests", type=int, default=3,
                    help="batch 1: requests run one after another per workload")
     p.add_argument("--batch1-only", action="store_true", help="skip the batch-B runs")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="the backend of every system (auto: cupy on a GPU, else cpu)")
 
 
 def apply_quick(args) -> None:
@@ -95,30 +101,39 @@ def _run_interleaved(llms: dict, prompts, params, batch: int):
     return {name: (outs[name], seconds[name]) for name in names}
 
 
-def verify_pass_ratios(model, repeats: int = 7) -> dict:
-    """5-row / 1-row forward seconds of `model` as loaded and with every product plain."""
-    from refserve.models.few_row_matmul import PLAIN
+def verify_pass_ratios(model, repeats: int = 7) -> dict | None:
+    """5-row / 1-row forward seconds of `model` as loaded, with every product one gemv /
+    sgemm (the tuned backend's plain form) and on the NumPy reference backend; None on a
+    device backend (a host clock cannot time it)."""
+    from refserve.backends import CpuBackend, NumpyBackend
 
-    variants = {"few_row": model, "plain": model.with_plan(PLAIN)}
+    if model.xp is not np:
+        return None
+    plain = cost_probe.with_backend(model, CpuBackend(matmul="plain"))
+    # The plain weights are [out, in] C-contiguous: the reference shares them.
+    variants = {"loaded": model, "plain": plain,
+                "reference": cost_probe.with_backend(plain, NumpyBackend())}
+    names = list(variants)
     times: dict[tuple[str, int], list[float]] = {}
     for r in range(repeats):
-        for name in list(variants)[r % 2:] + list(variants)[:r % 2]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             for rows in (1, 5):
                 times.setdefault((name, rows), []).extend(
-                    variants[name].forward_seconds(1, rows, repeats=1))
+                    cost_probe.forward_seconds(variants[name], 1, rows, repeats=1))
     med = {key: float(np.median(t)) for key, t in times.items()}
-    return {"one_row_ms": 1000 * med[("few_row", 1)],
-            "few_row": med[("few_row", 5)] / med[("few_row", 1)],
-            "plain": med[("plain", 5)] / med[("plain", 1)],
-            "plans": [repr(w) for w in model.dense_weights(1)]}
+    out = {f"{name}_one_row_ms": 1000 * med[(name, 1)] for name in names}
+    out.update({name: med[(name, 5)] / med[(name, 1)] for name in names})
+    out["plans"] = [repr(w) for w in cost_probe.dense_weights(model, 1)]
+    return out
 
 
 def run(args) -> dict:
     from refserve import LLM
 
-    llms = {name: LLM(model=args.model, backend="numpy", progress=False,
+    llms = {name: LLM(model=args.model, backend=args.backend, progress=False,
                       speculative_config=spec)
             for name, spec in _systems(args).items()}
+    backend = llms["none"].llm_engine.backend.name
     for name, llm in llms.items():
         traced(args, llm, f"speculation {name}")
     tok = llms["none"].get_tokenizer()
@@ -128,16 +143,20 @@ def run(args) -> dict:
     for llm in llms.values():  # warm-up: first-call costs are not speculation's
         llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)
-    ratios = verify_pass_ratios(llms["none"].llm_engine.model)
+    ratios = verify_pass_ratios(llms["none"].llm_engine.model) or {}
     cost = llms["ngram"].llm_engine.speculator.adaptive.pass_cost
     ratios.update(adaptive_batch1=cost.ratio(1, args.k), adaptive_batch8=cost.ratio(8, args.k))
-    print(f"5-row / 1-row forward (batch 1): {ratios['few_row']:.2f}x with the few-row forms, "
-          f"{ratios['plain']:.2f}x as one sgemm (REFSERVE_MATMUL=plain); 1-row forward "
-          f"{ratios['one_row_ms']:.1f} ms. Adaptive rule's verify / plain pass at k = "
-          f"{args.k}: {ratios['adaptive_batch1']:.2f}x at batch 1, "
-          f"{ratios['adaptive_batch8']:.2f}x at batch 8", flush=True)
-    for plan in ratios["plans"]:
-        print(f"  {plan}")
+    if "loaded" in ratios:
+        print(f"5-row / 1-row forward (batch 1): {ratios['loaded']:.2f}x on the {backend} "
+              f"backend as loaded ({ratios['loaded_one_row_ms']:.1f} ms at 1 row), "
+              f"{ratios['plain']:.2f}x as one gemv / sgemm per product (REFSERVE_MATMUL=plain,"
+              f" {ratios['plain_one_row_ms']:.1f} ms), {ratios['reference']:.2f}x on the numpy "
+              f"reference ({ratios['reference_one_row_ms']:.1f} ms)", flush=True)
+        for plan in ratios["plans"]:
+            print(f"  {plan}")
+    print(f"Adaptive rule's verify / plain pass at k = {args.k}: "
+          f"{ratios['adaptive_batch1']:.2f}x at batch 1, {ratios['adaptive_batch8']:.2f}x at "
+          "batch 8", flush=True)
     batches = [1] if args.batch1_only or args.batch == 1 else [1, args.batch]
     cells = [(kind, b) for kind in ("quote-heavy", "creative") for b in batches]
     rows = []

@@ -82,11 +82,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="token budget of one step; longer prompts are prefilled in chunks "
                    "(default: the backend's, " + ", ".join(
                        f"{b} {n}" for b, n in DEFAULT_MAX_NUM_BATCHED_TOKENS.items()) +
-                   ": one NumPy step stays well under a second on 2 cores)")
+                   ": one CPU step stays well under a second on 2 cores)")
     e.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="most tokens one prefill takes per step, so a long prompt leaves "
                    "budget for the requests behind it (0: no cap; default: half the budget "
-                   "with the NumPy default budget, else 0)")
+                   "with the CPU backends' default budget, else 0)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of a prompt prefix seen before")
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -113,10 +113,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
     r = parser.add_argument_group("engine: refserve's own")
     r.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="auto: cupy when a CUDA GPU is usable, else numpy")
+                   help="numpy: the plain reference the course reads; cpu: the tuned "
+                   "CPU backend; auto: cupy when a CUDA GPU is usable, else cpu")
     r.add_argument("--kv-cache-memory-bytes", type=memory_size(require_unit=False),
-                   default="2GiB", help="host memory for the KV pool on the NumPy "
-                   "backend, e.g. 2GiB (a bare number is bytes)")
+                   default="2GiB", help="host memory for the KV pool on the CPU "
+                   "backends, e.g. 2GiB (a bare number is bytes)")
     r.add_argument("--batching", default="continuous", choices=BATCHING,
                    help="static: request-level batching, for comparison")
     r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS,

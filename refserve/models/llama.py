@@ -18,57 +18,42 @@ Llama, SmolLM, Mistral and Qwen2 share one shape; the differences are config val
     rope: the "rotate half" form; each pair (x_i, x_{i+d/2}) at position p, θ_i = p·theta^(-2i/d),
           becomes (x_i cos θ_i − x_{i+d/2} sin θ_i,  x_{i+d/2} cos θ_i + x_i sin θ_i)
 
+Every dense product `x @ Wᵀ` above is `backend.linear(x, W)`, for a weight W [out, in]
+(Hugging Face's layout) that `backend.prepare_weight` put in the backend's form when the
+model loaded; the reference computes exactly `x @ W.T` (refserve/backends/base.py).
+
 The batch is flat: T tokens from any number of sequences, prefill chunks and decodes mixed;
 the attention metadata (see docs/architecture.md) tells the attention which token belongs
-to which sequence. All dense math is written against `xp` (numpy or cupy), always float32.
-Two CPU traps this file avoids on purpose: a float64 scalar silently promotes the whole
-forward to float64 (4-6x slower), and a 3-D (B, 1, D) @ W matmul is ~5x slower than the same
-product on a 2-D (B, D) array, so activations stay 2-D [T, hidden] throughout.
-
-Every dense product is `linear(x, W) = x · Wᵀ` for a weight W [out, in] (Hugging Face's
-layout), computed by the weight itself (`DenseWeight`, refserve/models/few_row_matmul.py):
-one gemv at 1 row, one sgemm for prefill chunks, and for 2-64 rows (decode batches, verify
-passes) the form a calibration at load time found fastest for this shape on this machine's
-BLAS kernel. On the NumPy backend a few-row step then costs about what its weight bytes
-cost to read (a 5-row pass of SmolLM2 was 3.2x a 1-row pass as one OpenBLAS sgemm); other
-backends keep `(W @ xᵀ)ᵀ`.
+to which sequence. The rest of the math is written against `xp` (numpy or cupy), in the
+model's dtype (the backend's: float32 on the CPU backends, float16 by default on CuPy); only
+the logits are upcast to float32. Activations stay 2-D [T, hidden]: a 3-D (T, 1, D) @ W
+product would run as T separate products.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from refserve.backends.attention_metadata import AttentionMetadata
 from refserve.models.config import LlamaConfig
-from refserve.models.few_row_matmul import OUT_IN, DenseWeight
 
 
 @dataclass
 class _Layer:
     input_norm: object
     post_attention_norm: object
-    w_qkv: DenseWeight      # [(H + 2·Hkv)·head_dim, hidden]: q, k, v projections fused
+    w_qkv: object           # [(H + 2·Hkv)·head_dim, hidden]: q, k, v projections fused
     b_qkv: object | None
-    w_o: DenseWeight        # [hidden, H·head_dim]
+    w_o: object             # [hidden, H·head_dim]
     b_o: object | None
-    w_gate_up: DenseWeight  # [2·intermediate, hidden]: gate and up fused
-    w_down: DenseWeight     # [hidden, intermediate]
-
-
-def linear(x, w: DenseWeight):
-    """x [T, in] · wᵀ for a weight w [out, in] -> [T, out] (often a transposed view, which
-    every later op accepts). The form of the product depends on T: see few_row_matmul.py."""
-    return w(x)
+    w_gate_up: object       # [2·intermediate, hidden]: gate and up fused
+    w_down: object          # [hidden, intermediate]
 
 
 class LlamaModel:
     """Weights plus the forward pass. Weights keep HF's [out, in] layout, with the q/k/v and
-    gate/up projections fused, so each is one 2-D product `linear(x, W)` per layer."""
+    gate/up projections fused, so each is one 2-D product `backend.linear(x, W)` per layer."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], backend,
                  dtype=np.float32) -> None:
@@ -81,15 +66,16 @@ class LlamaModel:
         def dev(a):
             return backend.to_device(np.ascontiguousarray(a, dtype=self.dtype))
 
-        def dense(a):       # a weight of `linear`, in the layout its product plan chose
-            return DenseWeight(dev(a))
+        def dense(a):       # a weight of `linear`, in the backend's form
+            return backend.prepare_weight(dev(a))
 
         embed = dev(weights["model.embed_tokens.weight"])             # [vocab, hidden]
         self.final_norm = dev(weights["model.norm.weight"])
-        self.lm_head = (DenseWeight(embed) if c.tie_word_embeddings
+        self.lm_head = (backend.prepare_weight(embed) if c.tie_word_embeddings
                         else dense(weights["lm_head.weight"]))
-        # Tied: the embedding rows are the lm_head's, stored once (a view if transposed).
-        self.embed_tokens = self.lm_head.out_in if c.tie_word_embeddings else embed
+        # Tied: the embedding rows are the lm_head's, stored once.
+        self.embed_tokens = (backend.weight_matrix(self.lm_head) if c.tie_word_embeddings
+                             else embed)
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -116,81 +102,6 @@ class LlamaModel:
         # promote the forward to float64, a float32 one a float16 model to float32.
         self.scale = self.dtype.type(1.0 / np.sqrt(c.head_dim))
         self.eps = self.dtype.type(c.rms_norm_eps)
-
-    # ------------------------------------------------------------------ cost probes
-    def dense_weights(self, num_layers: int | None = None) -> list[DenseWeight]:
-        """The weights of one forward's dense products in forward order: per layer (the
-        first `num_layers`, default all) q/k/v, o, gate/up, down; then the lm_head."""
-        layers = self.layers[:num_layers]
-        return [w for la in layers for w in (la.w_qkv, la.w_o, la.w_gate_up, la.w_down)] + \
-            [self.lm_head]
-
-    def with_plan(self, plan) -> LlamaModel:
-        """A shallow copy whose dense products all follow `plan` (a few_row_matmul.Plan, e.g.
-        PLAIN: one gemv / sgemm for every row count); weights shared where the layout allows,
-        else converted. For measuring one form against another in one process."""
-        def convert(w: DenseWeight) -> DenseWeight:   # [out, in] C-contiguous for OUT_IN
-            return DenseWeight(np.ascontiguousarray(w.out_in) if plan.layout == OUT_IN
-                               else w.out_in, plan)
-
-        model = copy.copy(self)
-        model.layers = [dataclasses.replace(la, w_qkv=convert(la.w_qkv), w_o=convert(la.w_o),
-                                            w_gate_up=convert(la.w_gate_up),
-                                            w_down=convert(la.w_down)) for la in self.layers]
-        model.lm_head = convert(self.lm_head)
-        return model
-
-    def dense_seconds(self, rows, repeats: int = 3) -> dict[int, list[float]] | None:
-        """Wall-clock seconds of one forward's dense products (every layer's, then the
-        lm_head's) at each of `rows` (row counts), `repeats` times each, interleaved (every
-        round times every row count once, so a slow spell of a shared machine hits them
-        alike). The weights are the model's own, each layer's distinct, so they are read
-        from memory as in a real forward; activations are random. None on a device backend
-        (a host clock does not time device work)."""
-        if self.xp is not np:
-            return None
-        weights = self.dense_weights()
-        rng = np.random.default_rng(0)
-        out: dict[int, list[float]] = {r: [] for r in rows}
-        for _ in range(repeats):
-            for r in rows:
-                xs = {k: rng.standard_normal((r, k), dtype=np.float32).astype(self.dtype)
-                      for k in {w.shape[1] for w in weights}}
-                t0 = time.perf_counter()
-                for w in weights:
-                    w(xs[w.shape[1]])
-                out[r].append(time.perf_counter() - t0)
-        return out
-
-    def forward_seconds(self, num_seqs: int, query_len: int, context_len: int = 64,
-                        repeats: int = 3, block_size: int = 16) -> list[float] | None:
-        """Wall-clock seconds of one whole forward, once per repeat: `num_seqs` sequences,
-        each with `context_len` tokens already cached and `query_len` new ones (1: a decode
-        row; 1 + k: a verify row with k drafts), logits for every query token. Runs on a
-        private KV cache of just the blocks it needs (cache contents do not change the
-        cost); token ids are arbitrary. None on a device backend, as `dense_seconds`."""
-        if self.xp is not np:
-            return None
-        c, total = self.config, context_len + query_len
-        per_seq = -(-total // block_size)
-        caches = self.backend.allocate_kv_cache(c.num_hidden_layers, num_seqs * per_seq,
-                                                block_size, c.num_key_value_heads,
-                                                c.head_dim, dtype=self.dtype)
-        tables = np.arange(num_seqs * per_seq, dtype=np.int32).reshape(num_seqs, per_seq)
-        positions = np.tile(np.arange(context_len, total), num_seqs)
-        seq_of = np.repeat(np.arange(num_seqs), query_len)
-        slots = tables[seq_of, positions // block_size].astype(np.int64) * block_size \
-            + positions % block_size
-        attn = AttentionMetadata.build(
-            slots, np.arange(num_seqs + 1, dtype=np.int32) * query_len,
-            np.full(num_seqs, total, dtype=np.int32), tables, to_device=self.backend.to_device)
-        ids = np.arange(len(positions), dtype=np.int64) % c.vocab_size
-        out = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            self.forward(ids, positions, attn, caches, np.arange(len(positions)))
-            out.append(time.perf_counter() - t0)
-        return out
 
     # ------------------------------------------------------------------ building blocks
     def rms_norm(self, x, weight):
@@ -237,7 +148,7 @@ class LlamaModel:
         h = self.embed_tokens[input_ids]                                  # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self.rms_norm(h, layer.input_norm)
-            qkv = linear(x, layer.w_qkv)                                  # [T, (H+2Hkv)·D]
+            qkv = backend.linear(x, layer.w_qkv)                          # [T, (H+2Hkv)·D]
             if layer.b_qkv is not None:
                 qkv = qkv + layer.b_qkv
             # q and k heads side by side: one rope call rotates both.
@@ -246,14 +157,15 @@ class LlamaModel:
             v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
             backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
             o = backend.paged_attention(q, k_cache, v_cache, attn, self.scale)
-            o = linear(o.reshape(T, H * D), layer.w_o)
+            o = backend.linear(o.reshape(T, H * D), layer.w_o)
             h = h + o if layer.b_o is None else h + (o + layer.b_o)
             x = self.rms_norm(h, layer.post_attention_norm)
-            gate_up = linear(x, layer.w_gate_up)                          # [T, 2·inter]
-            h = h + linear(self.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down)
+            gate_up = backend.linear(x, layer.w_gate_up)                  # [T, 2·inter]
+            h = h + backend.linear(self.silu(gate_up[:, :inter]) * gate_up[:, inter:],
+                                   layer.w_down)
         if logits_indices is not None:
             h = h[logits_indices]
-        logits = linear(self.rms_norm(h, self.final_norm), self.lm_head)
+        logits = backend.linear(self.rms_norm(h, self.final_norm), self.lm_head)
         # A dtype is host-side metadata: checking it reads nothing back from the device.
         assert logits.dtype == self.dtype, f"forward promoted {self.dtype} to {logits.dtype}"
         return logits.astype(xp.float32, copy=False)  # only the logits are upcast

@@ -153,8 +153,8 @@ class SimulatedEngine:
         set their own (SimRequest.spec_alpha) and `spec_seed` seeds the accept draws."""
         config = config or EngineConfig(**kwargs)
         # The budget defaults of the backend the profile stands for (config.py): a GPU runs
-        # the CuPy backend's, "this machine" the NumPy backend's.
-        backend = "numpy" if gpu.kind == "host" else "cupy"
+        # the CuPy backend's, "this machine" the tuned CPU backend's.
+        backend = "cpu" if gpu.kind == "host" else "cupy"
         budget = resolve_max_num_batched_tokens(config.max_num_batched_tokens, backend)
         self.config = config = dataclasses.replace(
             config, max_num_batched_tokens=budget,

@@ -50,7 +50,7 @@ class GpuProfile:
     step_overhead_s: float
     row_overhead_s: float
     # "gpu": the KV pool is sized by gpu_memory_utilization of memory_bytes, like vLLM;
-    # "host": by kv_cache_memory_bytes, like refserve's NumPy backend.
+    # "host": by kv_cache_memory_bytes, like refserve's CPU backends.
     kind: str = "gpu"
     # e_kv: the fraction of the bandwidth the paged KV gather reaches, when it differs from
     # the weight read's (0: the same as bandwidth_efficiency)
@@ -209,15 +209,15 @@ def apply_overrides(profile: GpuProfile, overrides: dict[str, float] | None) -> 
 
 
 def host_profile(ceilings: dict, memory_bytes: int | None = None) -> GpuProfile:
-    """"this machine": the CPU as the NumPy backend sees it, from the `roofline` bench's
+    """"this machine": the CPU as the tuned CPU backend sees it, from the `roofline` bench's
     `measure_ceilings` ({"peak_flops", "bandwidth_bytes_per_s"}: a float32 matmul and an
     array copy). The efficiencies are relative to those measured ceilings, so they start
-    near 1; the overheads are rough priors for the NumPy engine until `fit` measures them."""
+    near 1; the overheads are rough priors for the CPU engine until `fit` measures them."""
     if memory_bytes is None:
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = float(ceilings["peak_flops"])
     return GpuProfile(
-        key=THIS_MACHINE, name="this machine (CPU, NumPy backend)",
+        key=THIS_MACHINE, name="this machine (CPU backend)",
         memory_bytes=int(memory_bytes), peak_flops={"float32": peak},
         memory_bandwidth=float(ceilings["bandwidth_bytes_per_s"]),
         interconnect_bandwidth=1e9, allreduce_latency_s=0.0, host_link_bandwidth=1e9,

@@ -13,13 +13,14 @@ the case the rule prices (sequences of one workload tend to behave alike).
 In theory pass is flat for a few rows: a small-batch step is bound by reading the weights,
 which it reads once for all its rows. Measured, it is not quite, and how far depends on the
 BLAS kernel and the batch: a 5-row pass of SmolLM2-135M cost 3.2x a 1-row pass as one
-OpenBLAS sgemm with the SkylakeX kernel and 3.75x with Haswell (issue 19), 1.5x and 2.5x
-with the few-row forms of refserve/models/few_row_matmul.py (one thread, loaded machine);
-at 8 running, 5 rows each are 40 rows, past the bandwidth floor. So pass is measured when
-the engine starts (`calibrate`: the target's dense products at CALIBRATION_ROWS up to the
-step's token budget, 27 passes, about half a second for SmolLM2 on an idle 2-core CPU) and
-interpolated (`PassCost`). A device backend, whose passes a host clock cannot
-time, keeps the theory: flat.
+OpenBLAS sgemm with the SkylakeX kernel and 3.75x with Haswell, 1.5x and 2.5x with the
+few-row forms of the tuned CPU backend (refserve/backends/few_row_matmul.py; one thread,
+loaded machine); at 8 running, 5 rows each are 40 rows, past the bandwidth floor. So pass is
+measured when the engine starts (`calibrate`: the target's dense products at
+CALIBRATION_ROWS up to the step's token budget, 27 passes, about half a second for SmolLM2
+on an idle 2-core CPU; the probe is refserve/speculation/cost_probe.py) and interpolated
+(`PassCost`). A device backend, whose passes a host clock cannot time, keeps the theory:
+flat.
 VERIFY_COST_PER_TOKEN: each further query token's cost outside the dense products
 (attention, its logits row's warp and accept test), relative to a plain step.
 draft_cost_per_token: one draft forward per draft token, relative to the target's
@@ -119,16 +120,17 @@ class PassCost:
 FLAT = PassCost()   # the theory: a few-row pass costs what a 1-row pass does
 
 
-def measure_pass_cost(model, max_rows: int) -> PassCost | None:
-    """pass at CALIBRATION_ROWS up to `max_rows`: `model.dense_seconds(rows, repeats)`
-    (LlamaModel: every layer's and the lm_head's products, CALIBRATION_ROUNDS rounds over
-    the row counts), the minimum per row count (a shared machine only ever adds time),
-    made non-decreasing (more rows never cost less). Timing a slice of the layers and
-    scaling it up was cheaper but amplified the noise: a 5-row pass came out 2.2x a 1-row
-    pass where whole forwards measured 1.4x. None if the model cannot be timed (a device
+def measure_pass_cost(dense_seconds, max_rows: int) -> PassCost | None:
+    """pass at CALIBRATION_ROWS up to `max_rows`, from `dense_seconds(rows, repeats)`
+    ({rows: seconds per repeat} of every layer's and the lm_head's products, or None:
+    speculation/cost_probe.dense_seconds for the target), CALIBRATION_ROUNDS rounds over
+    the row counts: the minimum per row count (a shared machine only ever adds time), made
+    non-decreasing (more rows never cost less). All layers are timed: a slice of them
+    scaled up is cheaper but amplifies the noise (a 5-row pass came out 2.2x a 1-row
+    pass where whole forwards measured 1.4x). None if the passes cannot be timed (a device
     backend)."""
     rows = [r for r in CALIBRATION_ROWS if r <= max(max_rows, 1)]
-    times = model.dense_seconds(rows, repeats=CALIBRATION_ROUNDS)
+    times = dense_seconds(rows, repeats=CALIBRATION_ROUNDS)
     if times is None:
         return None
     seconds = np.maximum.accumulate([min(times[r]) for r in rows])
@@ -177,11 +179,12 @@ class AdaptiveSpeculation:
         self.steps = 0           # the probes' clock: steps since the batch was last empty
         self._states: dict[int, _State] = {}
 
-    def calibrate(self, model, max_rows: int) -> None:
-        """Measure pass (the module docstring) for `model` up to `max_rows` rows: the
-        engine calls this once at start-up. Nothing to do when the rule is off."""
+    def calibrate(self, dense_seconds, max_rows: int) -> None:
+        """Measure pass (the module docstring) up to `max_rows` rows with the target's
+        `dense_seconds(rows, repeats)` (`measure_pass_cost`): the engine calls this once at
+        start-up. Nothing to do when the rule is off."""
         if self.enabled and self.k > 0:
-            self.pass_cost = measure_pass_cost(model, max_rows) or FLAT
+            self.pass_cost = measure_pass_cost(dense_seconds, max_rows) or FLAT
 
     def cost(self, num_drafts: int, batch: int | None = None) -> float:
         """cost(k') at `batch` running (default: the current batch)."""

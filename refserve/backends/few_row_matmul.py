@@ -1,5 +1,7 @@
 """Few-row dense products on the CPU: `linear(x, W) = x · Wᵀ` for 2-64 rows at the bandwidth floor.
 
+The tuned CPU backend's `linear` (cpu_backend.py); the reference computes `x @ W.T`.
+
 WHY. A decode or verify step multiplies a handful of activation rows by every weight of the
 model. It reads all the weights (538 MB for SmolLM2-135M) and does little arithmetic (a 5-row
 step is 1.35 GFLOP), so a 5-row step should cost about what a 1-row step costs. OpenBLAS does
@@ -19,7 +21,8 @@ of 7, ms (load average 4 for the SkylakeX rows, 13 for the Haswell ones):
 
 The best form depends on the kernel OpenBLAS picked for the machine (SkylakeX on AVX-512
 CPUs, Haswell where `OPENBLAS_CORETYPE=Haswell` pins it, as CI does), so it is measured, not
-assumed: a short calibration per weight shape when the model loads (below).
+assumed: a short calibration per weight shape when the backend prepares the first weight of
+that shape, as the model loads (below).
 
 THE FORMS. Each computes x · Wᵀ for x [M, in] and returns an [M, out] array (a transposed
 view, which every later op accepts); they differ only in which BLAS kernel runs.
@@ -56,7 +59,7 @@ largest calibrated row count not above it, a simpler form within MARGIN of the f
 winning (noise must not pick the two-thread form). About 7 x 4 x 3 timings of 0.2-1 ms:
 tens of milliseconds per shape.
 `REFSERVE_MATMUL=auto|plain|chunked|chunked2|transposed` forces one form for 2..MAX_FEW_ROWS
-rows (plain: exactly the products before this module).
+rows (plain: one gemv / sgemm per product).
 """
 
 from __future__ import annotations
