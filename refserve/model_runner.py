@@ -99,6 +99,53 @@ def query_tokens(row) -> list[int]:
     return token_ids[start:] + drafts[max(0, start - len(token_ids)):end - len(token_ids)]
 
 
+def build_attention_metadata(slot_mapping: np.ndarray, query_start_loc: np.ndarray,
+                             context_lens: np.ndarray, block_tables: np.ndarray,
+                             to_device=np.asarray) -> AttentionMetadata:
+    """The step's `AttentionMetadata` from host NumPy arrays (decode rows first): the host
+    values computed once, the four arrays moved to the device with `to_device` (a backend's;
+    backends/attention_metadata.py states the layout).
+
+    Raises ValueError if the arrays break that layout (checked here, on the host, once per
+    step, so that no kernel has to check it per layer).
+    """
+    query_start_loc = np.asarray(query_start_loc, dtype=np.int32)
+    context_lens = np.asarray(context_lens, dtype=np.int32)
+    block_tables = np.asarray(block_tables, dtype=np.int32)
+    slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
+    num_seqs = len(context_lens)
+    q_lens = np.diff(query_start_loc)
+    if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc[0] != 0
+            or query_start_loc[-1] != len(slot_mapping)):
+        raise ValueError(f"query_start_loc {query_start_loc} must run from 0 to "
+                         f"T={len(slot_mapping)} with one entry per sequence plus one")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {block_tables.shape} needs one row per sequence "
+                         f"({num_seqs})")
+    if (q_lens < 1).any() or (q_lens > context_lens).any():
+        raise ValueError(f"every row needs 1 <= q_len <= context_len, got q_lens {q_lens}, "
+                         f"context_lens {context_lens}")
+    is_decode = q_lens == 1
+    num_decodes = int(is_decode.sum())
+    if not is_decode[:num_decodes].all():
+        raise ValueError(f"decode rows (q_len == 1) must come first, got q_lens {q_lens}")
+    return AttentionMetadata(
+        slot_mapping=to_device(slot_mapping),
+        query_start_loc=to_device(query_start_loc),
+        context_lens=to_device(context_lens),
+        block_tables=to_device(block_tables),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        max_query_len=int(q_lens.max(initial=0)),
+        max_context_len=int(context_lens.max(initial=0)),
+        max_decode_context_len=int(context_lens[:num_decodes].max(initial=0)),
+        query_start_loc_cpu=query_start_loc,
+        context_lens_cpu=context_lens,
+        block_tables_cpu=block_tables,
+        num_seqs=num_seqs,
+    )
+
+
 class ModelRunner:
     """Owns the model and its KV cache; prepares, copies and runs one scheduler step."""
 
@@ -175,8 +222,8 @@ class ModelRunner:
     def _inputs(self, input_ids, positions, slots, block_tables, context_lens,
                 query_start_loc, logits_indices, row_order) -> ModelInputs:
         to_dev = self.backend.to_device
-        attn = AttentionMetadata.build(slots, query_start_loc, context_lens, block_tables,
-                                       to_device=to_dev)
+        attn = build_attention_metadata(slots, query_start_loc, context_lens, block_tables,
+                                        to_device=to_dev)
         return ModelInputs(
             input_ids=input_ids, positions=positions, slot_mapping=slots,
             block_tables=block_tables, context_lens=context_lens,

@@ -97,7 +97,7 @@ def bench_attention(cp, backend, copy_gbs: float) -> list[dict]:
     import torch.nn.functional as F
 
     from refserve.backends import cuda_launch as cl
-    from refserve.backends.attention_metadata import AttentionMetadata
+    from refserve.model_runner import build_attention_metadata
 
     rows, rng, scale = [], np.random.default_rng(0), HEAD_DIM ** -0.5
     for batch in ATTN_BATCHES:
@@ -112,7 +112,7 @@ def bench_attention(cp, backend, copy_gbs: float) -> list[dict]:
             k = cp.full((blocks, BLOCK, KV_HEADS, HEAD_DIM), 0.01, cp.float16)
             v = cp.full_like(k, 0.02)
             tables = rng.permutation(blocks).reshape(batch, ctx // BLOCK).astype(np.int32)
-            attn = AttentionMetadata.build(np.full(batch, -1), np.arange(batch + 1),
+            attn = build_attention_metadata(np.full(batch, -1), np.arange(batch + 1),
                                            np.full(batch, ctx), tables, backend.to_device)
             q = cp.random.standard_normal((batch, HEADS, HEAD_DIM), cp.float32).astype(cp.float16)
             out = cp.empty_like(q)

@@ -93,9 +93,9 @@ def paged_steps(draw):
 
 
 def metadata(step, to_device):
-    from refserve.backends.attention_metadata import AttentionMetadata
+    from refserve.model_runner import build_attention_metadata
 
-    return AttentionMetadata.build(step["slots"], step["qsl"], step["context_lens"],
+    return build_attention_metadata(step["slots"], step["qsl"], step["context_lens"],
                                    step["tables"], to_device=to_device)
 
 

@@ -18,6 +18,7 @@ from cuda_sim.sim_module import SimModule
 
 from refserve.backends import cuda_launch as cl
 from refserve.backends.numpy_backend import NumpyBackend
+from refserve.model_runner import build_attention_metadata
 
 attention_metadata = pytest.importorskip("refserve.backends.attention_metadata")
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None,
@@ -62,7 +63,7 @@ def step(rng, q_lens, context_lens, block_size, num_kv_heads, group, head_dim, d
         for pos in range(n - q_len, n):
             slots.append(tables[s, pos // block_size] * block_size + pos % block_size)
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
-    attn = attention_metadata.AttentionMetadata.build(np.array(slots), qsl, context_lens, tables)
+    attn = build_attention_metadata(np.array(slots), qsl, context_lens, tables)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = [rng.standard_normal(shape).astype(dtype) for _ in range(2)]
     num_tokens, num_heads = len(slots), num_kv_heads * group

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from model_utils import prefill_logits, row, run_step, save_tiny_hf_model
 
-from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
+from refserve.backends.attention_metadata import PAD_BLOCK
 from refserve.backends.numpy_backend import NumpyBackend
-from refserve.model_runner import ModelRunner
+from refserve.model_runner import ModelRunner, build_attention_metadata
 from refserve.models.loader import load_model
 from refserve.static_runner import StaticBatchRunner
 
@@ -62,13 +62,13 @@ def test_a_position_without_a_block_is_refused_not_invented():
 def test_attention_metadata_checks_the_layout():
     ok = dict(slot_mapping=np.zeros(3), query_start_loc=[0, 1, 3], context_lens=[4, 5],
               block_tables=np.zeros((2, 2)))
-    AttentionMetadata.build(**ok)
+    build_attention_metadata(**ok)
     with pytest.raises(ValueError, match="decode rows .* must come first"):
-        AttentionMetadata.build(**{**ok, "query_start_loc": [0, 2, 3]})
+        build_attention_metadata(**{**ok, "query_start_loc": [0, 2, 3]})
     with pytest.raises(ValueError, match="1 <= q_len <= context_len"):
-        AttentionMetadata.build(**{**ok, "context_lens": [4, 1]})
+        build_attention_metadata(**{**ok, "context_lens": [4, 1]})
     with pytest.raises(ValueError, match="query_start_loc"):
-        AttentionMetadata.build(**{**ok, "query_start_loc": [0, 1, 2]})
+        build_attention_metadata(**{**ok, "query_start_loc": [0, 1, 2]})
 
 
 def test_verify_logits_equal_prefill_logits_and_come_back_in_row_order(tmp_path):

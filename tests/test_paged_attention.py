@@ -16,8 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
+from refserve.backends.attention_metadata import PAD_BLOCK
 from refserve.backends.numpy_backend import NumpyBackend
+from refserve.model_runner import build_attention_metadata
 
 BACKEND = NumpyBackend()
 
@@ -25,7 +26,7 @@ BACKEND = NumpyBackend()
 def paged_attention(backend, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                     scale):
     """backend.paged_attention with the step's AttentionMetadata built from the arrays."""
-    attn = AttentionMetadata.build(np.zeros(len(q), dtype=np.int64), query_start_loc,
+    attn = build_attention_metadata(np.zeros(len(q), dtype=np.int64), query_start_loc,
                                    context_lens, block_tables)
     return backend.paged_attention(q, k_cache, v_cache, attn, scale)
 

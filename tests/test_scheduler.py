@@ -680,7 +680,7 @@ def test_update_rejects_an_empty_token_list():
     a = make_seq("a", 5, 4)
     sched.add_sequence(a)
     out = sched.schedule()
-    with pytest.raises(ValueError, match="empty token list"):
+    with pytest.raises(ValueError, match="no sampled token for sequence"):
         sched.update(out, {a.seq_id: []})
     assert a.num_computed_tokens == 0 and a.num_output_tokens == 0
     retry = sched.schedule()

@@ -1,7 +1,8 @@
 """`AttentionMetadata`: everything paged attention needs to know about one step, built once.
 
-`ModelRunner.prepare` builds one per step and every layer receives the same object, so what
-is derived from it (scalars, masks) is derived once per step, not once per layer.
+`ModelRunner.prepare` builds one per step (model_runner.build_attention_metadata, which checks
+the layout and computes the host values) and every layer receives the same object, so what is
+derived from it (scalars, masks) is derived once per step, not once per layer.
 
 For `S` sequences and `T = sum(q_len)` query tokens, ordered with the *decode rows first*
 (rows 0 .. num_decodes-1 have q_len == 1, so their query tokens are tokens 0 .. num_decodes-1):
@@ -15,6 +16,7 @@ For `S` sequences and `T = sum(q_len)` query tokens, ordered with the *decode ro
                                              ceil(context_lens[i] / block_size) are PAD_BLOCK
 
     host values (plain Python ints / NumPy arrays: reading them never syncs a device)
+    num_seqs                         S, the rows
     num_decodes, num_decode_tokens   decode rows (q_len == 1) and their tokens (equal)
     max_query_len, max_context_len   over all rows
     max_decode_context_len           over the decode rows (0 when there are none)
@@ -56,59 +58,7 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray
     context_lens_cpu: np.ndarray
     block_tables_cpu: np.ndarray
+    num_seqs: int
     # Values a backend derives from this metadata (masks, gather plans), filled on first use
     # by the first layer and reused by the others. Private to the backend that fills it.
     backend_cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens_cpu)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc_cpu[-1])
-
-    @classmethod
-    def build(cls, slot_mapping: np.ndarray, query_start_loc: np.ndarray,
-              context_lens: np.ndarray, block_tables: np.ndarray,
-              to_device=np.asarray) -> AttentionMetadata:
-        """From host NumPy arrays (decode rows first): compute the scalars on the host, then
-        move the four arrays to the device with `to_device` (a backend's `to_device`).
-
-        Raises ValueError if the arrays break the layout above (checked here, on the host,
-        once per step, so that no kernel has to check it per layer).
-        """
-        query_start_loc = np.asarray(query_start_loc, dtype=np.int32)
-        context_lens = np.asarray(context_lens, dtype=np.int32)
-        block_tables = np.asarray(block_tables, dtype=np.int32)
-        slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
-        num_seqs = len(context_lens)
-        q_lens = np.diff(query_start_loc)
-        if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc[0] != 0
-                or query_start_loc[-1] != len(slot_mapping)):
-            raise ValueError(f"query_start_loc {query_start_loc} must run from 0 to "
-                             f"T={len(slot_mapping)} with one entry per sequence plus one")
-        if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-            raise ValueError(f"block_tables {block_tables.shape} needs one row per sequence "
-                             f"({num_seqs})")
-        if (q_lens < 1).any() or (q_lens > context_lens).any():
-            raise ValueError(f"every row needs 1 <= q_len <= context_len, got q_lens {q_lens}, "
-                             f"context_lens {context_lens}")
-        is_decode = q_lens == 1
-        num_decodes = int(is_decode.sum())
-        if not is_decode[:num_decodes].all():
-            raise ValueError(f"decode rows (q_len == 1) must come first, got q_lens {q_lens}")
-        return cls(
-            slot_mapping=to_device(slot_mapping),
-            query_start_loc=to_device(query_start_loc),
-            context_lens=to_device(context_lens),
-            block_tables=to_device(block_tables),
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            max_query_len=int(q_lens.max(initial=0)),
-            max_context_len=int(context_lens.max(initial=0)),
-            max_decode_context_len=int(context_lens[:num_decodes].max(initial=0)),
-            query_start_loc_cpu=query_start_loc,
-            context_lens_cpu=context_lens,
-            block_tables_cpu=block_tables,
-        )

@@ -189,7 +189,7 @@ class DecodeGraphs:
             max_query_len=1, max_context_len=bucket, max_decode_context_len=bucket,
             query_start_loc_cpu=np.arange(batch + 1, dtype=np.int32),
             context_lens_cpu=np.full(batch, bucket, dtype=np.int32),
-            block_tables_cpu=np.zeros((batch, self.width), dtype=np.int32))
+            block_tables_cpu=np.zeros((batch, self.width), dtype=np.int32), num_seqs=batch)
         return self.ints64[:batch], self.ints64[batch:2 * batch], attn
 
     def _fill(self, padded: PaddedDecode) -> None:

@@ -199,7 +199,8 @@ class KVCacheManager:
         new = plan.num_new_blocks(end)
         written = range(start // bs, min(len(plan), -(-end // bs))) if end > start else ()
         cow = [logical for logical in written if self.allocator.ref_count(plan[logical]) > 1]
-        if self.prefix_cache.revive_cost(attach) + new + len(cow) > self.num_available_blocks:
+        needed = new + len(cow) + (self.prefix_cache.revive_cost(attach) if attach else 0)
+        if needed and needed > self.num_available_blocks:
             return None
         # From here on nothing can fail: the plan fits in the available blocks.
 
@@ -227,7 +228,8 @@ class KVCacheManager:
 
         for _ in range(new):
             table.append(self._take_block())
-        self._record_peak()
+        if needed:
+            self._record_peak()
         return copies
 
     def _check_computed_blocks(self, seq: Sequence, blocks: list[int]) -> None:

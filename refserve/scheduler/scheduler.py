@@ -485,16 +485,13 @@ class Scheduler(Forking):
 
     @staticmethod
     def _check_sampled(output: SchedulerOutput, sampled: SampledTokens) -> None:
-        """Raise unless `sampled` can apply to `output`: no empty token list, and tokens for
-        every running sequence of a row that samples."""
-        for seq_id, tokens in sampled.token_ids.items():
-            if not tokens:
-                raise ValueError(f"update(): sequence {seq_id} got an empty token list; a "
-                                 "sampling row appends at least one token")
+        """Raise unless `sampled` can apply to `output`: every running sequence of a row
+        that samples gets at least one token."""
         for row in output.scheduled:
             if (row.num_logits and row.seq.status is SequenceStatus.RUNNING
-                    and row.seq.seq_id not in sampled.token_ids):
-                raise KeyError(f"update(): no sampled token for sequence {row.seq.seq_id}")
+                    and not sampled.token_ids.get(row.seq.seq_id)):
+                raise ValueError(f"update(): no sampled token for sequence "
+                                 f"{row.seq.seq_id}; a sampling row appends at least one")
 
     def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
         """RETIRE (called by `update` only): a finished sequence leaves the running batch

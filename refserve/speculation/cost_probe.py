@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from refserve.backends.attention_metadata import AttentionMetadata
+from refserve.model_runner import build_attention_metadata
 
 
 def dense_weights(model, num_layers: int | None = None) -> list:
@@ -73,7 +73,7 @@ def forward_seconds(model, num_seqs: int, query_len: int, context_len: int = 64,
     seq_of = np.repeat(np.arange(num_seqs), query_len)
     slots = tables[seq_of, positions // block_size].astype(np.int64) * block_size \
         + positions % block_size
-    attn = AttentionMetadata.build(
+    attn = build_attention_metadata(
         slots, np.arange(num_seqs + 1, dtype=np.int32) * query_len,
         np.full(num_seqs, total, dtype=np.int32), tables, to_device=model.backend.to_device)
     ids = np.arange(len(positions), dtype=np.int64) % c.vocab_size
