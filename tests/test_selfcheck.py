@@ -39,11 +39,13 @@ def test_table_shows_every_measurement_with_its_target():
         "end_to_end": {"refserve_tok_s": 9000.0, "transformers_tok_s": 3000.0, "speedup": 3.0,
                        "batch1_ms_per_token": 1.5, "floor_ms_per_token": 0.6, "x_floor": 2.5,
                        "greedy_vs_transformers_mean_common_prefix": 40.0},
-        "greedy": {"identical": 4, "prompts": 4},
+        "greedy": {"identical": {"cpu": 4, "cupy": 3}, "prompts": 4},
     }
     text = selfcheck.table(results)
     assert "attention B=64 ctx=4096 (v1) us" in text and "95% copy" in text
     assert ">= 80% copy, <= sdpa" in text and "sdpa 80" in text
     assert "does not fit in memory" in text
     assert "3.00x (target >= 2x)" in text and "2.50x (target <= 3x)" in text
-    assert "4/4" in text and "passed" in text
+    assert "passed" in text
+    assert "numpy == cpu (fp32)" in text and "4/4" in text
+    assert "numpy == cupy (fp32)" in text and "3/4" in text
