@@ -35,21 +35,19 @@ import numpy as np
 from refserve.backends import get_backend
 from refserve.config import EngineConfig
 from refserve.engine_setup import plan_kv_pool, resolve_token_budget, startup_lines
-from refserve.inputs import parse_prompt
 from refserve.kv_cache import KVCacheManager
 from refserve.kv_cache.host_pool import HostBlockPool
-from refserve.metrics import RequestMetrics
 from refserve.model_runner import ModelRunner
 from refserve.models.loader import load_tokenizer, resolve_model_path
 from refserve.output_processor import RequestState, make_outputs
 from refserve.outputs import RequestOutput
-from refserve.prompt_logprobs import score_prompt
 from refserve.request_intake import RequestIntake
-from refserve.sampling import Sampler, SamplingParams, make_generator
+from refserve.sampling import Sampler, make_generator
 from refserve.scheduler import ChildDraw, SampledTokens, SchedulerOutput, StepUpdate
 from refserve.scheduler.drafts import Proposals, verify_inputs
 from refserve.scheduler.factory import make_scheduler
-from refserve.sequence import IncrementalDetokenizer, Sequence
+from refserve.scheduler.swapping import swap_stats
+from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
 from refserve.speculation.cost_probe import dense_seconds
 from refserve.speculation.registry import resolve as resolve_proposer
@@ -144,69 +142,6 @@ class LLMEngine(RequestIntake):
                                       budget_source,
                                       proposer_cls.describe(spec) if spec else ""):
                 print(line, file=sys.stderr, flush=True)
-
-    # ------------------------------------------------------------------ requests
-    # encode, decode_token, apply_chat_template, validate_request, bad_words_token_ids and
-    # check_priority: refserve/request_intake.py.
-    def add_request(self, request_id: str | None, prompt,
-                    params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> str:
-        """vLLM's `add_request(request_id, prompt, params, arrival_time, priority)`: queue
-        one request; its outputs come from `step()`. `prompt`: text, token ids or a prompt
-        dict (refserve/inputs.py); request_id None picks a fresh one (refserve's extra).
-        `priority` (vLLM's): lower runs first, only with scheduling_policy="priority".
-        Returns the request id."""
-        params = params or SamplingParams()
-        self.check_priority(priority)
-        if request_id is None:
-            request_id = str(next(self._request_counter))
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if prompt is not None and not isinstance(prompt, list):
-            prompt = parse_prompt(prompt)
-        token_ids = self.validate_request(prompt, params)
-        now = time.perf_counter() if arrival_time is None else arrival_time
-        seed = params.seed
-        if seed is None and self.config.seed is not None:
-            seed = int(self._seed_stream.integers(2**31))
-        req = RequestState(request_id, prompt if isinstance(prompt, str) else None, token_ids,
-                       params, RequestMetrics(arrival_time=now,
-                                              num_prompt_tokens=len(token_ids)), seed)
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = score_prompt(self, token_ids, params.prompt_logprobs)
-        seq = Sequence(request_id, token_ids, params, now)
-        seq.bad_words_token_ids = self.bad_words_token_ids(params)
-        # The stop rules grow the text token by token (refserve/sequence.py).
-        if self.tokenizer is not None and params.detokenize:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
-                                                     params.spaces_between_special_tokens)
-        seq.priority = priority
-        seq.generator = make_generator(seed, 0)
-        self.scheduler.add_sequence(seq)  # gives the sequence its id
-        req.seqs.append(seq)
-        self.requests[request_id] = req
-        if self.observer is not None:
-            self.observer.arrive(request_id, now)
-        return request_id
-
-    def abort_request(self, request_id) -> bool:
-        """vLLM's name: stop a waiting, running or preempted request (or each of an
-        iterable of ids); its blocks are freed at once. True if any was still live."""
-        if not isinstance(request_id, str) and hasattr(request_id, "__iter__"):
-            return any([self.abort_request(r) for r in request_id])
-        req = self.requests.get(request_id)
-        if req is None:
-            return False
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.abort(seq.seq_id)  # frees its blocks, marks it aborted
-        del self.requests[request_id]
-        if self.observer is not None:
-            self.observer.abort(request_id, time.perf_counter())
-        return True
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
@@ -350,44 +285,18 @@ class LLMEngine(RequestIntake):
                                                 decode=self.decode_token, **context)
         return out.token_ids, out.logprobs
 
-    @property
-    def kv_blocks_peak(self) -> int:
-        """The most KV blocks held at once since start-up."""
-        return self.kv_cache_manager.num_held_blocks_peak
-
-    @property
-    def kv_blocks_peak_since_reset(self) -> int:
-        """The most KV blocks held at once since `reset_kv_blocks_peak` (one generate())."""
-        return self.kv_cache_manager.num_held_blocks_peak_since_reset
-
-    def reset_kv_blocks_peak(self) -> None:
-        """Start a new window for `kv_blocks_peak_since_reset` (one generate() call); the
-        cumulative `kv_blocks_peak` is kept."""
-        self.kv_cache_manager.reset_peak()
-
-    def _swap_stats(self) -> dict:
-        """Swap preemption's counters (zeros with preemption_mode="recompute")."""
-        swapper = getattr(self.scheduler, "swapper", None)
-        if swapper is None:
-            return {"swap_outs": 0, "swap_ins": 0, "swap_fallbacks_to_recompute": 0,
-                    "swap_bytes": 0}
-        host = swapper.host_pool
-        return {"swap_outs": swapper.num_swapped_out, "swap_ins": swapper.num_swapped_in,
-                "swap_fallbacks_to_recompute": swapper.num_fallbacks,
-                "swap_bytes": (host.num_swapped_out_blocks + host.num_swapped_in_blocks)
-                * self.bytes_per_block}
-
     def stats(self) -> dict:
-        kv = self.kv_cache_manager
+        """The engine's counters since start-up (LLM.generate reports one call's share)."""
+        sched, kv = self.scheduler, self.kv_cache_manager
         return {
-            "num_steps": self.scheduler.num_steps,
-            "slot_steps_used": self.scheduler.slot_steps_used,
-            "slot_steps_wasted": self.scheduler.slot_steps_wasted,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "recomputed_tokens": self.scheduler.num_recomputed_tokens,
-            **self._swap_stats(),
-            "kv_blocks_peak": self.kv_blocks_peak,
-            "kv_blocks_peak_since_reset": self.kv_blocks_peak_since_reset,
+            "num_steps": sched.num_steps,
+            "slot_steps_used": sched.slot_steps_used,
+            "slot_steps_wasted": sched.slot_steps_wasted,
+            "num_preemptions": sched.num_preemptions,
+            "recomputed_tokens": sched.num_recomputed_tokens,
+            **swap_stats(sched.swapper, self.bytes_per_block),
+            "kv_blocks_peak": kv.num_held_blocks_peak,
+            "kv_blocks_peak_since_reset": kv.num_held_blocks_peak_since_reset,
             "kv_blocks_total": kv.num_blocks,
             "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,

@@ -189,7 +189,7 @@ class LLM:
         (Ctrl-C included) abort what is left, so the engine is reusable."""
         engine = self.llm_engine
         stats_before = engine.stats()
-        engine.reset_kv_blocks_peak()      # this call's peak, apart from the cumulative one
+        engine.kv_cache_manager.reset_peak()   # this call's peak, apart from the cumulative one
         start = time.perf_counter()
         ids = [engine.add_request(None, p, sp, priority=prio)
                for p, sp, prio in zip(batch, params, priorities)]

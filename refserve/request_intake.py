@@ -1,6 +1,7 @@
-"""What a request must satisfy before the engine takes it, and the text <-> token helpers
-the requests use. `LLMEngine` inherits these methods (refserve/engine.py); they read only
-its tokenizer, model config, max_model_len, config and scheduler.
+"""Requests in and out of the engine: vLLM's add_request / abort_request, what a request
+must satisfy before the engine takes it, and the text <-> token helpers the requests use.
+`LLMEngine` inherits these methods (refserve/engine.py), which read and write only its
+requests, tokenizer, model config, max_model_len, config, scheduler and observer.
 
 Every check runs before anything is allocated (no block, no sequence), so a bad request is
 one ValueError naming the problem and nothing else changes: one bad request never takes
@@ -17,15 +18,84 @@ down the engine or another request. The checks, in order (validate_request):
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from refserve.inputs import parse_prompt
 from refserve.logits_processors import bad_words_token_ids
+from refserve.metrics import RequestMetrics
+from refserve.output_processor import RequestState
+from refserve.prompt_logprobs import score_prompt
+from refserve.sampling import make_generator
 from refserve.sampling_params import SamplingParams
+from refserve.sequence import IncrementalDetokenizer, Sequence
 
 
 class RequestIntake:
     """The request-side methods of LLMEngine (see the module docstring)."""
+
+    # ---- requests in and out (vLLM's names) --------------------------------------------
+
+    def add_request(self, request_id: str | None, prompt,
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> str:
+        """vLLM's `add_request(request_id, prompt, params, arrival_time, priority)`: queue
+        one request; its outputs come from `step()`. `prompt`: text, token ids or a prompt
+        dict (refserve/inputs.py); request_id None picks a fresh one (refserve's extra).
+        `priority` (vLLM's): lower runs first, only with scheduling_policy="priority".
+        Returns the request id."""
+        params = params or SamplingParams()
+        self.check_priority(priority)
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt is not None and not isinstance(prompt, list):
+            prompt = parse_prompt(prompt)
+        token_ids = self.validate_request(prompt, params)
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        seed = params.seed
+        if seed is None and self.config.seed is not None:
+            seed = int(self._seed_stream.integers(2**31))
+        req = RequestState(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                       params, RequestMetrics(arrival_time=now,
+                                              num_prompt_tokens=len(token_ids)), seed)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = score_prompt(self, token_ids, params.prompt_logprobs)
+        seq = Sequence(request_id, token_ids, params, now)
+        seq.bad_words_token_ids = self.bad_words_token_ids(params)
+        # The stop rules grow the text token by token (refserve/sequence.py).
+        if self.tokenizer is not None and params.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                     params.spaces_between_special_tokens)
+        seq.priority = priority
+        seq.generator = make_generator(seed, 0)
+        self.scheduler.add_sequence(seq)  # gives the sequence its id
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+        if self.observer is not None:
+            self.observer.arrive(request_id, now)
+        return request_id
+
+    def abort_request(self, request_id) -> bool:
+        """vLLM's name: stop a waiting, running or preempted request (or each of an
+        iterable of ids); its blocks are freed at once. True if any was still live."""
+        if not isinstance(request_id, str) and hasattr(request_id, "__iter__"):
+            return any([self.abort_request(r) for r in request_id])
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq.seq_id)  # frees its blocks, marks it aborted
+        del self.requests[request_id]
+        if self.observer is not None:
+            self.observer.abort(request_id, time.perf_counter())
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

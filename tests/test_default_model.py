@@ -81,9 +81,23 @@ def test_chat_template_renders_conversation(hf_tokenizer):
     assert hf_tokenizer.eos_token == "<|im_end|>"
 
 
+PARITY_PROMPTS = ["The capital of France is", "def quicksort(arr):",
+                  "Once upon a time, in a small village,", "1, 1, 2, 3, 5, 8,"]
+
+
+@pytest.fixture(scope="module")
+def transformers_greedy(hf_smollm2, hf_tokenizer, hf_greedy_fn):
+    """transformers' 32 greedy tokens after each parity prompt, computed once for both
+    backends: {prompt: (prompt ids, tokens)}."""
+    out = {}
+    for prompt in PARITY_PROMPTS:
+        ids = hf_tokenizer.encode(prompt, add_special_tokens=False)
+        out[prompt] = ids, hf_greedy_fn(hf_smollm2, ids, 32)
+    return out
+
+
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_greedy_matches_transformers_generate(smollm2_dir, hf_smollm2, hf_tokenizer,
-                                              hf_greedy_fn, backend):
+def test_greedy_matches_transformers_generate(smollm2_dir, transformers_greedy, backend):
     """Four prompts, 32 greedy tokens each, token-identical to transformers' generate, on the
     reference backend and on the tuned CPU backend (so the two are identical too)."""
     from model_utils import prefill_logits, row, run_step
@@ -92,10 +106,7 @@ def test_greedy_matches_transformers_generate(smollm2_dir, hf_smollm2, hf_tokeni
     from refserve.models.loader import load_model
 
     model = load_model(smollm2_dir, get_backend(backend))
-    prompts = ["The capital of France is", "def quicksort(arr):",
-               "Once upon a time, in a small village,", "1, 1, 2, 3, 5, 8,"]
-    for prompt in prompts:
-        ids = hf_tokenizer.encode(prompt, add_special_tokens=False)
+    for prompt, (ids, expected) in transformers_greedy.items():
         blocks = list(range(8))
         logits, runner = prefill_logits(model, ids, block_size=16, block_ids=blocks)
         tokens = list(ids)
@@ -106,4 +117,4 @@ def test_greedy_matches_transformers_generate(smollm2_dir, hf_smollm2, hf_tokeni
             tokens.append(nxt)
             logits = run_step(runner, [row(tokens, len(tokens) - 1, 1, blocks)])
             nxt = int(np.argmax(logits[-1]))
-        assert out == hf_greedy_fn(hf_smollm2, ids, 32), prompt
+        assert out == expected, prompt

@@ -3,15 +3,17 @@
 
     batching="static"      StaticScheduler: batches formed first come first served, and
                            preemption by recompute (config.py refuses the other choices)
-    batching="continuous"  Scheduler with the config's scheduling_policy,
-                           preemption_mode and enable_chunked_prefill; "swap" needs the
-                           host pool (`host_pool`)
+    batching="continuous"  Scheduler (PrefillFirstScheduler, prefill_first.py, with
+                           enable_chunked_prefill=False) with the config's
+                           scheduling_policy and preemption_mode; "swap" needs the host
+                           pool (`host_pool`)
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from refserve.scheduler.prefill_first import PrefillFirstScheduler
 from refserve.scheduler.scheduler import Scheduler
 from refserve.scheduler.static import StaticScheduler
 
@@ -31,8 +33,9 @@ def make_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager,
     if config.batching == "static":
         return StaticScheduler(*common, eos_token_id=eos_token_id,
                                long_prefill_token_threshold=config.long_prefill_token_threshold)
-    return Scheduler(*common, eos_token_id=eos_token_id,
-                     long_prefill_token_threshold=config.long_prefill_token_threshold,
-                     scheduling_policy=config.scheduling_policy,
-                     preemption_mode=config.preemption_mode, host_pool=host_pool,
-                     enable_chunked_prefill=config.enable_chunked_prefill)
+    # vLLM's enable_chunked_prefill=False: prefill-only steps while there is prefill work.
+    cls = Scheduler if config.enable_chunked_prefill else PrefillFirstScheduler
+    return cls(*common, eos_token_id=eos_token_id,
+               long_prefill_token_threshold=config.long_prefill_token_threshold,
+               scheduling_policy=config.scheduling_policy,
+               preemption_mode=config.preemption_mode, host_pool=host_pool)

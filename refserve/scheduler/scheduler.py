@@ -24,19 +24,9 @@ next query tokens. `schedule()` does, in this order:
              except by the policy's order. Admission never preempts, and a step that had to
              preempt admits nobody (the pool just proved short).
 
-Two schedules, vLLM's `enable_chunked_prefill`:
-
-    True (mixed)     as above: the decodes go first and prefill chunks fill what is left of
-                     the budget, so a long prompt never stalls a running decode for long
-                     (with a small budget or long_prefill_token_threshold: chunked).
-    False            PREFILL-FIRST, vLLM V0's schedule: a step that has prefill work runs
-                     prefills only (unfinished prefills of running sequences, then
-                     admissions, up to the token budget); every decode waits for a step
-                     without prefill work. TTFT falls (a prompt never shares its step with
-                     the decodes), and each running request's next token waits behind every
-                     prefill step: TPOT rises with the arrival rate. Unlike V0, which refuses
-                     a budget below max_model_len, a prompt longer than the budget is still
-                     split over consecutive steps (each of them prefill-only).
+The schedule above is vLLM's mixed one (enable_chunked_prefill=True): the decodes go first
+and prefill chunks fill what is left of the budget. vLLM V0's prefill-first schedule is
+prefill_first.py's subclass.
 
 `update()` then applies the computed step (UPDATE below) and RETIRES finished sequences,
 which give their seats and blocks back in the same step, so the next `schedule()` refills
@@ -74,7 +64,7 @@ from refserve.scheduler.output import (
     StepUpdate,
 )
 from refserve.scheduler.scheduling_policy import SchedulingPolicy, make_policy
-from refserve.scheduler.step_retry import carry_over, last_per_destination
+from refserve.scheduler.step_retry import last_per_destination, redo
 from refserve.scheduler.swapping import Swapper
 from refserve.sequence import Sequence, SequenceStatus, append_tokens
 
@@ -109,8 +99,7 @@ class Scheduler(Forking):
                  long_prefill_token_threshold: int = 0,
                  scheduling_policy: str | SchedulingPolicy = "fcfs",
                  preemption_mode: str = "recompute",
-                 host_pool: HostBlockPool | None = None,
-                 enable_chunked_prefill: bool = True) -> None:
+                 host_pool: HostBlockPool | None = None) -> None:
         check_scheduler_args(max_num_seqs, max_num_batched_tokens, max_model_len,
                              long_prefill_token_threshold, preemption_mode, host_pool)
         self.max_num_seqs = max_num_seqs
@@ -124,7 +113,6 @@ class Scheduler(Forking):
         self.policy = (scheduling_policy if isinstance(scheduling_policy, SchedulingPolicy)
                        else make_policy(scheduling_policy))
         self.preemption_mode = preemption_mode
-        self.enable_chunked_prefill = enable_chunked_prefill  # False: prefill-first steps
         self.swapper = Swapper(host_pool, kv_cache_manager) if host_pool is not None else None
 
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -207,27 +195,12 @@ class Scheduler(Forking):
     def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
         """One step's decision: ADVANCE running sequences (preempting the newest while the
         pool is short), then ADMIT waiting ones unless this step preempted. `proposals`:
-        this step's drafts by seq_id (they ride the rows they fit, drafts.py). With
-        enable_chunked_prefill=False, `_schedule_prefill_first`."""
+        this step's drafts by seq_id (they ride the rows they fit, drafts.py)."""
         out = self._begin_step()
-        if not self.enable_chunked_prefill:
-            return self._end_step(self._schedule_prefill_first(out, proposals))
         budget = self._advance(out, self.max_num_batched_tokens, proposals)
         if not out.preempted:
             self._admit(out, budget)
         return self._end_step(out)
-
-    def _schedule_prefill_first(self, out: SchedulerOutput,
-                                proposals: Mapping[int, Proposal]) -> SchedulerOutput:
-        """The prefill-first step (module docstring): first the running sequences whose
-        prefill is unfinished, then ADMIT; if that scheduled or preempted anything, the
-        decodes wait. Otherwise a decode step: ADVANCE every running sequence."""
-        budget = self._advance(out, self.max_num_batched_tokens, prefills_only=True)
-        if not out.preempted:
-            self._admit(out, budget)
-        if not out.scheduled and not out.preempted:
-            self._advance(out, self.max_num_batched_tokens, proposals)
-        return out
 
     def _advance(self, out: SchedulerOutput, budget: int,
                  proposals: Mapping[int, Proposal] = NO_PROPOSALS,
@@ -362,22 +335,11 @@ class Scheduler(Forking):
 
     def _begin_step(self) -> SchedulerOutput:
         """A new output. If the last step was never applied (its forward or sampling
-        failed), its admissions are undone (they computed nothing: back to the head of the
-        queue, blocks released) and this step plans the same work again, with the copies of
-        it that still stand (step_retry.py)."""
+        failed), this step plans its work again (step_retry.py)."""
         out = SchedulerOutput(step=self.num_steps)
         failed, self._pending, self._riders = self._pending, None, {}
         if failed is not None:
-            for seq_id in reversed(failed.admitted):
-                seq = self._by_id.get(seq_id)
-                if seq is not None and seq.status is SequenceStatus.RUNNING and \
-                        seq.num_computed_tokens == 0:  # a swapped-in one keeps its KV
-                    self.running.remove(seq)
-                    self.kv_cache_manager.release(seq)
-                    seq.status = SequenceStatus.WAITING
-                    self.waiting.appendleft(seq)
-            carry_over(failed, out, self.kv_cache_manager.allocator,
-                       self.swapper.host_pool if self.swapper is not None else None)
+            redo(self, failed, out)
         return out
 
     def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:

@@ -105,3 +105,16 @@ class Swapper:
         """An aborted sequence drops its host blocks (or its pending swap-out)."""
         self._pending.pop(seq.seq_id, None)
         self.host_pool.release(seq.seq_id)
+
+
+def swap_stats(swapper: Swapper | None, bytes_per_block: int) -> dict:
+    """Swap preemption's counters for the engine's stats() (zeros without a swapper:
+    preemption_mode="recompute")."""
+    if swapper is None:
+        return {"swap_outs": 0, "swap_ins": 0, "swap_fallbacks_to_recompute": 0,
+                "swap_bytes": 0}
+    host = swapper.host_pool
+    return {"swap_outs": swapper.num_swapped_out, "swap_ins": swapper.num_swapped_in,
+            "swap_fallbacks_to_recompute": swapper.num_fallbacks,
+            "swap_bytes": (host.num_swapped_out_blocks + host.num_swapped_in_blocks)
+            * bytes_per_block}
