@@ -21,8 +21,9 @@ tokens of the real model identical on both.
                      mass lies within float32 rounding of top_p may be kept by one and not
                      the other.
 
-Thread policy: BLAS uses its own threads; the two-thread few-row form (chunked2) is kept by
-calibration only where it wins (few_row_matmul.py).
+Threads: as many as the machine leaves CPUs free, re-measured twice a second
+(cpu_threads.py: OpenBLAS's thread count, and the few-row forms' helper thread only at 2 or
+more); REFSERVE_CPU_THREADS=N fixes N. The start-up line says which.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 from refserve.backends.base import AttentionMetadata
 from refserve.backends.cpu_attention import PagedAttention
 from refserve.backends.cpu_sampling import sample_tokens
+from refserve.backends.cpu_threads import thread_policy
 from refserve.backends.few_row_matmul import DenseWeight, fixed_plan
 from refserve.backends.numpy_backend import NumpyBackend, check_attention_shapes
 
@@ -47,6 +49,10 @@ class CpuBackend(NumpyBackend):
         calibrated per weight shape."""
         self._plan = None if matmul is None else fixed_plan(matmul)
         self._attention = PagedAttention()
+        self.threads = thread_policy()  # one per process: BLAS threads are the process's
+
+    def startup_note(self) -> str:
+        return self.threads.describe()
 
     # ------------------------------------------------------------ dense products
 
@@ -61,8 +67,10 @@ class CpuBackend(NumpyBackend):
 
     def linear(self, x: np.ndarray, weight: DenseWeight) -> np.ndarray:
         """x · Wᵀ by the form the weight's plan names for x's row count. Differs from the
-        reference's x @ W.T only in float rounding (the same products, another order)."""
-        return weight(x)
+        reference's x @ W.T only in float rounding (the same products, another order).
+        Asks the thread policy for the thread count (a clock read; a measurement twice a
+        second)."""
+        return weight(x, self.threads.threads())
 
     # ------------------------------------------------------- paged_attention
 
