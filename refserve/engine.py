@@ -140,7 +140,8 @@ class LLMEngine(RequestIntake):
             for line in startup_lines(config, self.backend.name, self.model_path.name,
                                       mc.num_parameters(), self.max_model_len, plan,
                                       budget_source,
-                                      proposer_cls.describe(spec) if spec else ""):
+                                      proposer_cls.describe(spec) if spec else "",
+                                      self.backend.startup_note()):
                 print(line, file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ one iteration

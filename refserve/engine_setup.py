@@ -110,9 +110,11 @@ def plan_kv_pool(config: EngineConfig, model_config, backend, dtype, max_model_l
 
 def startup_lines(config: EngineConfig, backend_name: str, model_name: str,
                   num_parameters: int, max_model_len: int, plan: KVPoolPlan,
-                  budget_source: str, speculation: str = "") -> list[str]:
+                  budget_source: str, speculation: str = "", backend_note: str = ""
+                  ) -> list[str]:
     """What the engine prints to stderr at start-up (progress=True): backend, model, the
-    pool and the knob that sized it, the token budget and where it came from, and the
+    pool and the knob that sized it, the token budget and where it came from, how the
+    backend runs (`backend_note`: its `startup_note()`, e.g. the CPU's threads), and the
     speculative setup (`speculation`: how its proposer describes itself)."""
     tokens = plan.num_blocks * plan.block_size
     cap = (f", a prefill at most {config.long_prefill_token_threshold}"
@@ -123,7 +125,7 @@ def startup_lines(config: EngineConfig, backend_name: str, model_name: str,
              f"{plan.num_blocks * plan.bytes_per_block / GiB:.2f} GiB | max concurrency at "
              f"max_model_len {max_model_len}: {tokens / max_model_len:.2f}x | sized by "
              f"{plan.knob} | token budget {config.max_num_batched_tokens} per step "
-             f"({budget_source}){cap}"]
+             f"({budget_source}){cap}" + (f" | {backend_note}" if backend_note else "")]
     spec = config.speculative_config
     if spec is not None:
         draft = ""

@@ -159,6 +159,8 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_backend_equality_cpu.py", r"paged_attention|contiguous|gather",
      ("backend_equality", "paged_attention")),
     ("test_backend_equality_cpu.py", None, ("backend_equality",)),
+    ("test_cpu_threads.py", None, ("backend",)),
+    ("test_backend_equality_cpu_attention.py", None, ("backend_equality", "paged_attention")),
     ("test_backend_equality_cpu_matmul.py", r"greedy|tiny_model",
      ("backend_equality", "model_parity")),
     ("test_backend_equality_cpu_matmul.py", None, ("backend_equality",)),

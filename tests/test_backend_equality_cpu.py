@@ -24,6 +24,7 @@ from test_paged_attention import reference as dense_reference
 from test_sampling import TEMPERATURE_CASES, TIED_TOP, FixedUniform, naive
 
 from refserve.backends import CpuBackend, NumpyBackend
+from refserve.backends.cpu_attention import gather_context
 from refserve.backends.cpu_sampling import kept_distributions
 from refserve.backends.numpy_backend import sampling_weights
 from refserve.sampling import SamplingParams, draw_arguments
@@ -117,7 +118,7 @@ def test_paged_attention_at_smollm_shapes(block_size):
 def test_a_contiguous_context_is_read_as_a_view():
     """When a context fits in its first block the keys are a slice, not a gathered copy."""
     k_cache = np.zeros((3, 64, 2, 8), dtype=np.float32)
-    keys = TUNED._gather_context(k_cache, np.array([2, 0]), 40)
+    keys = gather_context(k_cache, np.array([2, 0]), 40)
     assert keys.shape == (40, 2, 8)
     assert np.shares_memory(keys, k_cache)
 

@@ -279,6 +279,11 @@ class Backend(abc.ABC):
         before the forward that reads them, so that forward sees the copied KV.
         """
 
+    def startup_note(self) -> str:
+        """How this backend runs, for the engine's start-up line ("" for nothing to say):
+        the tuned CPU backend names its thread policy there."""
+        return ""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 

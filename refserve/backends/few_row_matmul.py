@@ -301,8 +301,13 @@ class DenseWeight:
         """W as [out, in]: the stored array, or a transposed view of it (no copy)."""
         return self.data if self.plan.layout == OUT_IN else self.data.T
 
-    def __call__(self, x):
-        return apply(self.plan.form(x.shape[0]), self.data, x)
+    def __call__(self, x, threads: int | None = None):
+        """x · Wᵀ by the plan's form for x's rows; with `threads` < 2 the two-thread form
+        runs as its one-thread self (chunked), since no second CPU is free for it."""
+        form = self.plan.form(x.shape[0])
+        if form == "chunked2" and threads is not None and threads < 2:
+            form = "chunked"
+        return apply(form, self.data, x)
 
     def __repr__(self) -> str:
         return f"DenseWeight({self.shape[0]}x{self.shape[1]}, {self.plan.describe()})"

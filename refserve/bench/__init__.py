@@ -21,6 +21,8 @@ Scenarios (one file each in this package)
     preemption recompute vs swap preemption against context length, a pool forced to preempt
     compare    refserve beside vLLM (its own virtual environment) or any OpenAI-compatible
                server, engines interleaved: throughput, TTFT, TPOT/ITL p50/p99, prefix hits
+    busy       throughput and batch-1 decode quiet and beside a busy-loop process, per
+               thread setting (auto: the tuned CPU backend's policy, or a fixed count)
 
 Each prints a table, states the machine (cores, BLAS and its kernel, GPU) and the exact
 command, writes every number with --json and a chart with --plot (and the engines' timelines with

@@ -16,10 +16,11 @@ from refserve.entrypoints.cli_common import (
 )
 
 SCENARIOS = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
-             "roofline", "loadtest", "sim-fidelity", "sim-world", "preemption", "compare")
+             "roofline", "loadtest", "sim-fidelity", "sim-world", "preemption", "compare",
+             "busy")
 # The scenarios that step an engine in this process: --trace records their timelines.
 TRACED = ("batching", "paged", "prefix", "chunked", "memory", "spec", "capacity",
-          "preemption", "sim-fidelity")
+          "preemption", "sim-fidelity", "busy")
 # The scenario that runs a server process: --trace goes to it (serve --trace), and the
 # server writes the timeline when the bench shuts it down.
 SERVER_TRACED = ("loadtest",)
