@@ -217,15 +217,19 @@ class PagedAttention:
     def __call__(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                  attn: AttentionMetadata, scale: np.floating) -> np.ndarray:
         """Rows 0 .. num_decodes-1 (q_len == 1) through `decode`; the others (chunks of
-        q_len > 1) one sequence at a time, sizes from the metadata's host copies. No device
-        value is read back: every size is a host scalar of `attn` or an array shape."""
+        q_len > 1) one sequence at a time, sizes from the metadata's host copies.
+
+        The decode plan reads the "device" block tables and context lengths: on the CPU they
+        are host arrays already, and they are what a replayed decode graph refills (its host
+        copies are the bucket's placeholders, as a GPU kernel never reads them)."""
         out = np.empty_like(q)
         num_decodes = attn.num_decodes
         if num_decodes > 0:
             plan = attn.backend_cache.get("cpu_decode")
             if plan is None:  # the first layer of the step plans for all of them
                 plan = attn.backend_cache["cpu_decode"] = plan_decode(
-                    attn.block_tables_cpu[:num_decodes], attn.context_lens_cpu[:num_decodes],
+                    np.asarray(attn.block_tables)[:num_decodes],
+                    np.asarray(attn.context_lens)[:num_decodes],
                     k_cache.shape[1], self.min_view_work)
             out[:num_decodes] = self.decode(q[:num_decodes], k_cache, v_cache, plan, scale)
         qsl, ctx = attn.query_start_loc_cpu, attn.context_lens_cpu
