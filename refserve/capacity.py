@@ -114,19 +114,6 @@ PRESETS: dict[str, dict] = {
         "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
         "max_position_embeddings": 8192,
     },
-    # Llama 3.1: the Llama 3 shapes with a 128K context.
-    "llama-3.1-8b": {
-        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
-        "max_position_embeddings": 131072,
-    },
-    "llama-3.1-70b": {
-        "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
-        "max_position_embeddings": 131072,
-    },
     # Llama 2: no grouped-query attention at 7B (32 KV heads: 4x Llama 3's KV bytes).
     "llama-2-7b": {
         "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
@@ -141,6 +128,10 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 4096,
     },
 }
+# Llama 3.1: the Llama 3 shapes with a 128K context.
+for _size in ("8b", "70b"):
+    PRESETS[f"llama-3.1-{_size}"] = {**PRESETS[f"llama-3-{_size}"],
+                                     "max_position_embeddings": 131072}
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 
