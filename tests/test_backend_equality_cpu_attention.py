@@ -167,8 +167,7 @@ def covered(plan, block_size):
                  for n in range(piece.num_keys)]
         for b in rows:
             reads.setdefault(b, []).extend(slots)
-    g = plan.gathered
-    if g is not None:
+    for g in plan.gathered:
         visible = g.bias[:, 0, 0, :] == 0
         for r, b in enumerate(g.rows.tolist()):
             for n in np.flatnonzero(visible[r]):
@@ -212,8 +211,9 @@ def test_a_shared_prefix_is_one_piece_for_all_its_readers():
     plan = plan_decode(tables, lens, 16)
     assert [(p.first, p.num_blocks, p.num_keys, p.rows) for p in plan.pieces] == [
         (0, 62, 992, slice(0, 16))]
-    assert plan.gathered.rows.tolist() == list(range(16))
-    assert plan.gathered.table.shape == (16, 2)
+    (g,) = plan.gathered
+    assert g.rows.tolist() == list(range(16))
+    assert g.table.shape == (16, 2)
 
 
 def test_scattered_blocks_are_gathered_and_long_runs_are_views():
@@ -224,5 +224,20 @@ def test_scattered_blocks_are_gathered_and_long_runs_are_views():
     tables[1, :30] = np.arange(10, 40)
     plan = plan_decode(tables, np.array([60, 480]), 16)
     assert [(p.first, p.num_blocks, p.rows) for p in plan.pieces] == [(10, 30, slice(1, 2))]
-    assert plan.gathered.rows.tolist() == [0]
-    assert plan.gathered.table.tolist() == [[5, 9, 2, 7]]
+    (g,) = plan.gathered
+    assert g.rows.tolist() == [0]
+    assert g.table.tolist() == [[5, 9, 2, 7]]
+
+
+def test_a_long_private_context_is_gathered_apart_from_short_tails():
+    """Row 0 holds 40 scattered blocks of its own (it computed the prefix itself); rows 1-3
+    have 1-2 blocks of their own. The short tails are one batch of width 2, not padded to
+    row 0's 40 blocks; row 0 is a batch of its own."""
+    tables = np.full((4, 40), PAD_BLOCK, dtype=np.int32)
+    tables[0] = np.arange(100, 180, 2)                 # no two blocks consecutive
+    tables[1, :2], tables[2, :1], tables[3, :2] = [3, 9], [5], [7, 11]
+    plan = plan_decode(tables, np.array([640, 20, 16, 30]), 16)
+    assert plan.pieces == ()
+    assert [(g.rows.tolist(), g.table.shape) for g in plan.gathered] == [
+        ([0], (1, 40)), ([1, 2, 3], (3, 2))]
+    assert covered(plan, 16) == expected_reads(tables, [640, 20, 16, 30], 16)

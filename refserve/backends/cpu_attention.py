@@ -17,8 +17,10 @@ runs again where another row's run starts or ends inside them, so that rows read
 blocks (a shared prefix, forked samples) get the same piece. A piece read by r rows is one
 matmul of all their queries against it: [Hkv, r·G, D] x [Hkv, D, keys]. Pieces too small to
 pay for their own numpy calls (MIN_VIEW_WORK key-rows) are gathered instead, as the
-reference does, into one padded batch of the rows that have any: that batch is the last
-partial of those rows.
+reference does, into padded batches of the rows that have any: rows grouped by how many
+leftover blocks they have, a group's widest at most twice its narrowest, so one row with a
+long private context (a prompt that computed a shared prefix itself) does not pad every
+other row's few blocks to its width. Each batch is one more partial of its rows.
 
 ONLINE SOFTMAX. A partial over a set of keys is, per row and head, m = max score,
 l = Σ exp(s - m) and o = Σ exp(s - m) · v. Two partials over disjoint keys merge exactly
@@ -119,7 +121,7 @@ class Gathered:
 @dataclass(frozen=True)
 class DecodePlan:
     pieces: tuple[Piece, ...]
-    gathered: Gathered | None
+    gathered: tuple[Gathered, ...]
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
@@ -180,11 +182,24 @@ def plan_decode(block_tables: np.ndarray, context_lens: np.ndarray, block_size: 
     return DecodePlan(tuple(pieces), _gathered(leftover, block_size))
 
 
-def _gathered(leftover: list[list[tuple[int, int]]], block_size: int) -> Gathered | None:
-    """The padded gather of the leftover blocks (None when the pieces cover every key)."""
-    rows = [b for b, blocks in enumerate(leftover) if blocks]
-    if not rows:
-        return None
+def _gathered(leftover: list[list[tuple[int, int]]],
+              block_size: int) -> tuple[Gathered, ...]:
+    """The padded gathers of the leftover blocks (none when the pieces cover every key):
+    rows by decreasing leftover width, a new batch whenever a row is less than half as wide
+    as its batch's first, so padding at most doubles a batch's reads."""
+    rows = sorted((b for b, blocks in enumerate(leftover) if blocks),
+                  key=lambda b: -len(leftover[b]))
+    batches: list[list[int]] = []
+    for b in rows:
+        if not batches or 2 * len(leftover[b]) < len(leftover[batches[-1][0]]):
+            batches.append([])
+        batches[-1].append(b)
+    return tuple(_gather_batch(sorted(batch), leftover, block_size) for batch in batches)
+
+
+def _gather_batch(rows: list[int], leftover: list[list[tuple[int, int]]],
+                  block_size: int) -> Gathered:
+    """One padded gather of the leftover blocks of `rows`."""
     width = max(len(leftover[b]) for b in rows)
     table = np.empty((len(rows), width), dtype=np.int64)
     filled = np.zeros((len(rows), width), dtype=np.int64)  # keys in each gathered block
@@ -248,8 +263,8 @@ class PagedAttention:
         group = num_heads // num_kv_heads
         # [B, H, D] -> [B, Hkv, G, D]: the G query heads of a kv head share its keys.
         q_grouped = (q * scale).reshape(batch, num_kv_heads, group, head_dim)
-        if not plan.pieces:  # everything gathered: one batch, normalised at once
-            g = plan.gathered
+        if not plan.pieces and len(plan.gathered) == 1:  # one batch, normalised at once
+            g = plan.gathered[0]
             return attend(q_grouped, *self._gather(k_cache, v_cache, g),
                           g.bias).reshape(batch, num_heads, head_dim)
         acc = np.zeros_like(q_grouped)                                   # o, [B, Hkv, G, D]
@@ -269,8 +284,7 @@ class PagedAttention:
             o, l, m = (a.reshape(num_kv_heads, r, group, -1).transpose(1, 0, 2, 3)
                        for a in partial)
             _merge(acc, total, top, piece.rows, o, l, m)
-        g = plan.gathered
-        if g is not None:
+        for g in plan.gathered:
             k_t, v = self._gather(k_cache, v_cache, g)
             o, l, m = partial_softmax(q_grouped[g.rows], k_t, v, g.bias)
             _merge(acc, total, top, g.rows, o, l, m)
