@@ -47,6 +47,17 @@ def test_decode_is_one_at_a_time_and_shared_prefix_shares_exactly_its_prefix():
     assert concurrency == 0 and len(reqs) == 8 and all(r["max_tokens"] >= 2 for r in reqs)
 
 
+def test_workloads_of_one_round_share_no_tokens():
+    """The decode prompts are not the shared prefix's first tokens (one random stream for
+    both made the prefix hit the decode prompts' cached blocks)."""
+    args = _args()
+    decode, _ = make_requests("decode", args, 0, 49152)
+    shared, _ = make_requests("shared-prefix", args, 0, 49152)
+    prefix = shared[0]["prompt"][:40]
+    for r in decode:
+        assert r["prompt"][:16] != prefix[:16]
+
+
 def test_summary_is_the_median_per_engine_and_the_ratio_refserve_over_peer():
     rows = [{"workload": "decode", "engine": e, "throughput_tok_s": t, "tpot_p50_ms": p,
              "ttft_p50_ms": 10.0, "seconds": s, "prefix_hit_tokens": 0}
@@ -92,8 +103,8 @@ def test_quick_shrinks_every_workload():
 @pytest.mark.slow
 def test_compare_two_refserves_end_to_end(tmp_path, smollm2_dir):
     """The control: refserve against a second refserve. Every request finishes on both, both
-    compute the same tokens, and the shared prefix is served from the cache (the servers'
-    own counters, read from /metrics) once the first request has computed it."""
+    compute the same tokens, and the servers' own prefix-cache counters (read from /metrics)
+    count the shared prefix's lookups and at most its hits."""
     out = tmp_path / "compare.json"
     assert main(["compare", "--quick", "--peer", "refserve", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
@@ -106,9 +117,12 @@ def test_compare_two_refserves_end_to_end(tmp_path, smollm2_dir):
         assert a["throughput_tok_s"] > 0 and a["ttft_p50_ms"] > 0
     for r in rows:
         if r["workload"] == "shared-prefix":
-            # 4 requests sharing a 64-token prefix (4 blocks of 16); the first computes it
+            # 4 requests sharing a 64-token prefix (4 blocks of 16). Those admitted in the
+            # first step with the first compute it themselves (how many depends on when
+            # each arrives over HTTP); each later one hits the 4 blocks. Nothing else in
+            # the run shares a token with the prefix.
             assert r["prefix_queried_tokens"] >= 4 * 64
-            assert 64 <= r["prefix_hit_tokens"] <= 3 * 64
+            assert r["prefix_hit_tokens"] in (0, 64, 128, 192)
         else:
             assert r["prefix_hit_tokens"] == 0      # random prompts share nothing
     ratios = [r for r in data["summary"] if "rounds" not in r]

@@ -117,8 +117,10 @@ def _vocab_size(model_dir: Path) -> int:
 
 def make_requests(workload: str, args, seed: int, vocab_size: int) -> tuple[list[dict], int]:
     """(requests, max in flight) of one workload: prompts are token ids, so both engines get
-    the same tokens whatever their tokenizers do with text."""
-    rng = np.random.default_rng(seed)
+    the same tokens whatever their tokenizers do with text. Each workload draws from a
+    stream of its own: with one stream, the decode prompts would be the shared prefix's
+    first tokens, and the prefix would hit their cached blocks."""
+    rng = np.random.default_rng((seed, WORKLOADS.index(workload)))
     low = min(1000, vocab_size // 2)       # ordinary tokens, no special ones
 
     def draw(n: int) -> list[int]:
