@@ -65,11 +65,7 @@ The holder's protocol (what the KV-cache manager does with this tree):
     ... allocator.free each block of the sequence; tree.unlock(its node)   # retire
     when the allocator has no free block: tree.evict(k), then allocate
 
-Invariants (`check_invariants`): the tree's shape (children keyed by their first block,
-keys a whole number of blocks, each block in at most one node), lock counts monotone up the
-tree, the evictable and protected sizes equal to the sums they stand for, the heap set equal
-to the unlocked leaves, every cached block held by the allocator, and every block of an
-unlocked node held by the tree alone (ref count 1).
+`check_invariants` checks the tree's invariants (radix_checks.py lists them).
 """
 
 from __future__ import annotations
@@ -77,56 +73,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
 
+from refserve.kv_cache import radix_checks
 from refserve.kv_cache.block_allocator import BlockAllocator
 from refserve.kv_cache.prefix_cache import PrefixCache
-
-
-class RadixNode:
-    """One edge of the tree: a run of tokens and the blocks that hold their KV."""
-
-    __slots__ = ("key", "blocks", "children", "parent", "lock_ref", "last_access", "node_id")
-
-    def __init__(self, key: tuple[int, ...], blocks: list[int], parent: RadixNode | None,
-                 last_access: int, node_id: int) -> None:
-        self.key = key
-        self.blocks = blocks
-        self.children: dict[tuple[int, ...], RadixNode] = {}
-        self.parent = parent
-        self.lock_ref = 0
-        self.last_access = last_access
-        self.node_id = node_id
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def __repr__(self) -> str:
-        return (f"RadixNode(id={self.node_id}, tokens={len(self.key)}, blocks={self.blocks}, "
-                f"lock_ref={self.lock_ref})")
-
-
-@dataclass(frozen=True)
-class RadixMatch:
-    """A lookup's answer: the cached blocks of the longest matching prefix, in order, the
-    tokens they cover (len(block_ids) * block_size) and the deepest node matched (the root
-    when nothing matched): lock it once the blocks are attached."""
-
-    block_ids: list[int]
-    num_tokens: int
-    node: RadixNode
-
-
-@dataclass(frozen=True)
-class RadixInsert:
-    """An insert's answer: how many of the inserted tokens were cached already (their given
-    blocks were not taken: they duplicate the tree's), the tree's blocks for all the inserted
-    tokens, and the node that ends them (lock it to protect them)."""
-
-    num_cached_tokens: int
-    block_ids: list[int]
-    node: RadixNode
+from refserve.kv_cache.radix_node import RadixInsert, RadixMatch, RadixNode, common_blocks
 
 
 class RadixCache(PrefixCache):
@@ -425,7 +376,7 @@ class RadixCache(PrefixCache):
             child = node.children.get(tokens[matched:matched + bs])
             if child is None:
                 break
-            common = _common_blocks(child.key, tokens, matched, bs)
+            common = common_blocks(child.key, tokens, matched, bs)
             if common < len(child.key):
                 if not split:
                     blocks.extend(child.blocks[:common // bs])
@@ -487,93 +438,13 @@ class RadixCache(PrefixCache):
         return out
 
     def check_invariants(self, holders: SequenceOf[int] | None = None) -> None:
-        """Raise AssertionError if the tree breaks one of its invariants (module docstring);
-        with `holders` (holders[b] = block tables holding b), also that ref count = holders
-        + the tree's one and that the unlocked blocks are the cached ones no table holds."""
-        if holders is not None:
-            self._check_holders(holders)
-        bs, root = self.block_size, self.root
-        assert root.lock_ref == 1 and not root.blocks and root.parent is None, "root changed"
-        seen: dict[int, RadixNode] = {}
-        evictable = protected = 0
-        for node in self.nodes():
-            assert node.blocks and len(node.key) == len(node.blocks) * bs, \
-                f"{node}: key of {len(node.key)} tokens for {len(node.blocks)} blocks"
-            assert node.parent.children.get(node.key[:bs]) is node, \
-                f"{node} is not its parent's child under its first block"
-            assert node.lock_ref >= 0, f"{node} has a negative lock count"
-            if node.parent is not root:
-                assert node.parent.lock_ref >= node.lock_ref, \
-                    f"{node} is locked more than its parent: lock counts did not walk up"
-            for block_id in node.blocks:
-                assert block_id not in seen, f"block {block_id} is in two nodes"
-                seen[block_id] = node
-                refs = self.allocator.ref_count(block_id)
-                assert refs >= 1, f"cached block {block_id} is free in the allocator"
-                assert node.lock_ref > 0 or refs == 1, \
-                    f"block {block_id} of unlocked {node} has {refs} holders, not the tree alone"
-            if node.lock_ref == 0:
-                evictable += len(node.blocks)
-            else:
-                protected += len(node.blocks)
-        assert seen == self._node_of_block, "block -> node map is stale"
-        assert (evictable, protected) == (self.num_evictable_blocks,
-                                          self.num_protected_blocks), \
-            (f"sizes: evictable {self.num_evictable_blocks} / protected "
-             f"{self.num_protected_blocks}, but the tree has {evictable} / {protected}")
-        leaves = {n for n in self.nodes() if n.is_leaf and n.lock_ref == 0}
-        assert leaves == self._evictable_leaves, "eviction heap set != the unlocked leaves"
-
-    def _check_holders(self, holders: SequenceOf[int]) -> None:
-        cached = self.cached_blocks()
-        for block_id, count in enumerate(holders):
-            expected = count + (block_id in cached)
-            if self.allocator.ref_count(block_id) != expected:
-                raise AssertionError(
-                    f"block {block_id}: ref count {self.allocator.ref_count(block_id)}, but "
-                    f"{count} block tables{' + the tree' if block_id in cached else ''}")
-        unheld = sum(1 for block_id in cached if holders[block_id] == 0)
-        if unheld != self.num_evictable_blocks:
-            raise AssertionError(f"{unheld} cached blocks no table holds, but the tree "
-                                 f"counts {self.num_evictable_blocks} evictable")
-        if set(self._locked) != set(self._num_inserted):
-            raise AssertionError("locked nodes and insert counts name different sequences")
+        """Raise AssertionError if the tree breaks an invariant (radix_checks.py); with
+        `holders` (holders[b] = block tables holding b), also the ref counts against them."""
+        radix_checks.check_invariants(self, holders)
 
     def __str__(self) -> str:
-        """The tree as indented text: each node's tokens, blocks, lock count, last access."""
-        lines = [f"radix tree (block_size {self.block_size}): {self.num_cached_blocks} blocks "
-                 f"cached, {self.num_evictable_blocks} evictable, {self.num_protected_blocks} "
-                 "protected", "root  lock 1"]
-
-        def show(node: RadixNode, indent: str) -> None:
-            children = list(node.children.values())
-            for i, child in enumerate(children):
-                last = i == len(children) - 1
-                lines.append(f"{indent}{'└── ' if last else '├── '}{_preview(child.key)}  "
-                             f"blocks {child.blocks}  lock {child.lock_ref}  "
-                             f"t {child.last_access}")
-                show(child, indent + ("    " if last else "│   "))
-
-        show(self.root, "")
-        return "\n".join(lines)
+        return radix_checks.render(self)  # each node's tokens, blocks, locks, last access
 
     def __repr__(self) -> str:
         return (f"RadixCache(block_size={self.block_size}, cached={self.num_cached_blocks}, "
                 f"evictable={self.num_evictable_blocks}, protected={self.num_protected_blocks})")
-
-
-def _common_blocks(key: tuple[int, ...], tokens: tuple[int, ...], start: int, bs: int) -> int:
-    """Tokens (a multiple of bs) on which key and tokens[start:] agree, whole blocks only."""
-    n = min(len(key), len(tokens) - start) // bs * bs
-    if key[:n] == tokens[start:start + n]:
-        return n  # the common case: the whole key (or all the tokens) matches
-    common = 0
-    while common < n and key[common:common + bs] == tokens[start + common:start + common + bs]:
-        common += bs
-    return common
-
-
-def _preview(key: tuple[int, ...], limit: int = 8) -> str:
-    shown = " ".join(map(str, key[:limit]))
-    return f"[{shown}{' ...' if len(key) > limit else ''}] ({len(key)} tokens)"
-

@@ -40,9 +40,8 @@ Limits of one step (both hold for every `SchedulerOutput`):
     seats         sum of seq.num_seats over running sequences <= max_num_seqs
                   (a parent of an n > 1 request that has not forked yet holds n seats)
 
-Slot-steps measure how well the batch is used: one slot-step is one seat for one step, *used*
-when a real sequence is computed in it and *wasted* when a finished sequence is still computed
-as padding (static batching only, static.py).
+Slot-steps (one seat for one step) are *used* by a real sequence and *wasted* on a finished
+one computed as padding (static batching only, static_runner.py).
 """
 
 from __future__ import annotations
@@ -55,14 +54,10 @@ from typing import NamedTuple
 from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.scheduler.drafts import Proposal, count_verified, drafts_that_fit
-from refserve.scheduler.fits import check_fits, check_scheduler_args
+from refserve.scheduler.fits import check_scheduler_args
 from refserve.scheduler.forking import Forking
-from refserve.scheduler.output import (
-    SampledTokens,
-    ScheduledSequence,
-    SchedulerOutput,
-    StepUpdate,
-)
+from refserve.scheduler.intake import Intake
+from refserve.scheduler.output import SampledTokens, ScheduledSequence, SchedulerOutput, StepUpdate
 from refserve.scheduler.scheduling_policy import SchedulingPolicy, make_policy
 from refserve.scheduler.step_retry import last_per_destination, redo
 from refserve.scheduler.swapping import Swapper
@@ -80,7 +75,7 @@ class RowPlan(NamedTuple):
     drafts: tuple[int, ...]       # the drafts the row verifies after its real tokens
 
 
-class Scheduler(Forking):
+class Scheduler(Intake, Forking):
     """Continuous batching (see the module docstring).
 
     Invariants between calls:
@@ -150,45 +145,6 @@ class Scheduler(Forking):
     def new_seq_id(self) -> int:
         """The next sequence id of this scheduler (0, 1, 2, ...)."""
         return next(self._seq_ids)
-
-    # ---- requests in and out ------------------------------------------------------------
-
-    def add_sequence(self, seq: Sequence) -> None:
-        """Queue a new sequence at the tail of `waiting`; give it an id if it has none.
-        Raises ValueError if it could never run (see `fits.check_fits`)."""
-        if seq.seq_id is not None and seq.seq_id in self._by_id:
-            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
-        if seq.status is not SequenceStatus.WAITING:
-            raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}, not waiting")
-        self.check_fits(seq.num_tokens, seq.num_seats)
-        if seq.seq_id is None:
-            seq.seq_id = self.new_seq_id()
-        self._by_id[seq.seq_id] = seq
-        self.waiting.append(seq)
-
-    def check_fits(self, num_prompt_tokens: int, num_seats: int = 1) -> None:
-        """Raise ValueError if a prompt could never run here (see `fits.check_fits`)."""
-        kv = self.kv_cache_manager
-        check_fits(num_prompt_tokens, num_seats, max_model_len=self.max_model_len,
-                   max_num_seqs=self.max_num_seqs, num_blocks=kv.num_blocks,
-                   block_size=kv.block_size)
-
-    def abort(self, seq_id: int) -> Sequence | None:
-        """Stop a waiting, preempted or running sequence now; its blocks are freed at once.
-        Returns the sequence, or None if no unfinished sequence has this id."""
-        seq = self._by_id.pop(seq_id, None)
-        if seq is None:
-            return None
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-            if self.swapper is not None:
-                self.swapper.release(seq)
-        else:
-            self.running.remove(seq)
-            self.kv_cache_manager.release(seq)
-            self._on_running_left()
-        seq.status = SequenceStatus.FINISHED_ABORTED
-        return seq
 
     # ---- one step -----------------------------------------------------------------------
 
