@@ -19,7 +19,7 @@ scheduler order), then the others (prefill chunks, speculative verifies), and fo
 
 so `forward` returns the logits rows in scheduler order (row by row, each row's num_logits
 tokens in position order), whatever the internal order. The host scalars a kernel needs
-(max_query_len, max_context_len, num_decodes, ...) are computed here, once per step, into
+(num_decodes, max_decode_context_len) are computed here, once per step, into
 the one `AttentionMetadata` every layer receives. No Python object crosses into the data
 plane: the model sees only these arrays and scalars.
 """
@@ -69,9 +69,8 @@ class ModelInputs:
         a = self.attn
         lines = [
             f"ModelInputs: {len(self.row_order)} rows, {self.num_tokens} tokens, "
-            f"{self.num_logits} logits rows | num_decodes {a.num_decodes} "
-            f"(decode tokens {a.num_decode_tokens}) | max_query_len {a.max_query_len} | "
-            f"max_context_len {a.max_context_len}",
+            f"{self.num_logits} logits rows | num_decodes {a.num_decodes} | "
+            f"max_decode_context_len {a.max_decode_context_len}",
             f"  row_order        {self.row_order.tolist()}   (flat row -> scheduled row)",
             f"  input_ids        {self.input_ids.tolist()}",
             f"  positions        {self.positions.tolist()}",
@@ -102,13 +101,10 @@ def query_tokens(row) -> list[int]:
 def build_attention_metadata(slot_mapping: np.ndarray, query_start_loc: np.ndarray,
                              context_lens: np.ndarray, block_tables: np.ndarray,
                              to_device=np.asarray) -> AttentionMetadata:
-    """The step's `AttentionMetadata` from host NumPy arrays (decode rows first): the host
-    values computed once, the four arrays moved to the device with `to_device` (a backend's;
-    backends/attention_metadata.py states the layout).
-
-    Raises ValueError if the arrays break that layout (checked here, on the host, once per
-    step, so that no kernel has to check it per layer).
-    """
+    """The step's `AttentionMetadata` from host NumPy arrays laid out by hand (decode rows
+    first; backends/attention_metadata.py states the layout). Raises ValueError if the arrays
+    break that layout, so that no kernel has to check it per layer. `prepare` builds the
+    layout itself and calls `attention_metadata` directly."""
     query_start_loc = np.asarray(query_start_loc, dtype=np.int32)
     context_lens = np.asarray(context_lens, dtype=np.int32)
     block_tables = np.asarray(block_tables, dtype=np.int32)
@@ -125,25 +121,22 @@ def build_attention_metadata(slot_mapping: np.ndarray, query_start_loc: np.ndarr
     if (q_lens < 1).any() or (q_lens > context_lens).any():
         raise ValueError(f"every row needs 1 <= q_len <= context_len, got q_lens {q_lens}, "
                          f"context_lens {context_lens}")
-    is_decode = q_lens == 1
-    num_decodes = int(is_decode.sum())
-    if not is_decode[:num_decodes].all():
+    num_decodes = int((q_lens == 1).sum())
+    if not (q_lens[:num_decodes] == 1).all():
         raise ValueError(f"decode rows (q_len == 1) must come first, got q_lens {q_lens}")
+    return attention_metadata(slot_mapping, query_start_loc, context_lens, block_tables,
+                              to_device)
+
+
+def attention_metadata(slot_mapping, query_start_loc, context_lens, block_tables,
+                       to_device) -> AttentionMetadata:
+    """`AttentionMetadata` for a layout already known to be right: the four arrays moved to
+    the device once, the host values computed once (decode rows are the first num_decodes)."""
+    num_decodes = int((np.diff(query_start_loc) == 1).sum())
     return AttentionMetadata(
-        slot_mapping=to_device(slot_mapping),
-        query_start_loc=to_device(query_start_loc),
-        context_lens=to_device(context_lens),
-        block_tables=to_device(block_tables),
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        max_query_len=int(q_lens.max(initial=0)),
-        max_context_len=int(context_lens.max(initial=0)),
-        max_decode_context_len=int(context_lens[:num_decodes].max(initial=0)),
-        query_start_loc_cpu=query_start_loc,
-        context_lens_cpu=context_lens,
-        block_tables_cpu=block_tables,
-        num_seqs=num_seqs,
-    )
+        to_device(slot_mapping), to_device(query_start_loc), to_device(context_lens),
+        to_device(block_tables), num_decodes, int(context_lens[:num_decodes].max(initial=0)),
+        query_start_loc, context_lens, block_tables, len(context_lens))
 
 
 class ModelRunner:
@@ -180,57 +173,41 @@ class ModelRunner:
 
     def prepare_rows(self, rows) -> ModelInputs:
         """`prepare` for a list of rows (ScheduledSequence)."""
-        q_lens = [s.num_tokens for s in rows]
-        # Decodes first (stable: scheduler order inside each group).
-        order = ([i for i, q in enumerate(q_lens) if q == 1]
-                 + [i for i, q in enumerate(q_lens) if q != 1])
-        num_rows = len(rows)
-        query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
-        np.cumsum([q_lens[i] for i in order], out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        max_blocks = max((len(s.block_ids) for s in rows), default=0)
-        block_tables = np.full((num_rows, max(max_blocks, 1)), PAD_BLOCK, dtype=np.int32)
-        context_lens = np.empty(num_rows, dtype=np.int32)
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        slots = np.empty(num_tokens, dtype=np.int64)
-        first_token = np.empty(num_rows, dtype=np.int64)  # flat index of row i's 1st token
+        order = sorted(range(len(rows)), key=lambda i: rows[i].num_tokens > 1)  # decodes first
+        width = max([1] + [len(s.block_ids) for s in rows])
+        block_tables = np.full((len(rows), width), PAD_BLOCK, dtype=np.int32)
+        input_ids, positions, slots, context_lens = [], [], [], []
         for flat, i in enumerate(order):
             s = rows[i]
-            lo, hi = int(query_start_loc[flat]), int(query_start_loc[flat + 1])
-            first_token[i] = lo
-            table = s.block_ids
-            block_tables[flat, :len(table)] = table  # one slice copy from an int32 array
+            block_tables[flat, :len(s.block_ids)] = s.block_ids
             # BEGIN EXERCISE runner_prepare: a row's query tokens, positions, slots, context_len
-            input_ids[lo:hi] = query_tokens(s)
-            positions[lo:hi] = np.arange(s.start, s.start + (hi - lo))
+            input_ids += query_tokens(s)
+            positions += range(s.start, s.start + s.num_tokens)
             # The row's own table, not the padded row: a position without a block raises
             # IndexError instead of turning PAD_BLOCK into a negative slot.
-            slots[lo:hi] = compute_slots(block_tables[flat, :len(table)], positions[lo:hi],
-                                         self.block_size)
-            context_lens[flat] = s.start + (hi - lo)  # keys visible after the writes
+            slots += compute_slots(s.block_ids, positions[-s.num_tokens:],
+                                   self.block_size).tolist()
+            context_lens.append(s.start + s.num_tokens)  # keys visible after the writes
             # END EXERCISE
+        query_start_loc = np.cumsum([0] + [rows[i].num_tokens for i in order], dtype=np.int32)
+        row_end = dict(zip(order, query_start_loc[1:].tolist()))  # one past a row's last token
         # Logits rows in scheduler order: each row's last num_logits tokens.
-        logits_indices = []
-        for i, s in enumerate(rows):
-            end = int(first_token[i]) + q_lens[i]  # one past the row's last token
-            logits_indices.extend(range(end - s.num_logits, end))
-        logits_indices = np.array(logits_indices, dtype=np.int64)
-        return self._inputs(input_ids, positions, slots, block_tables, context_lens,
-                            query_start_loc, logits_indices, np.array(order, dtype=np.int64))
+        logits_indices = [t for i, s in enumerate(rows)
+                          for t in range(row_end[i] - s.num_logits, row_end[i])]
+        return self._inputs(
+            np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64),
+            np.array(slots, dtype=np.int64), block_tables,
+            np.array(context_lens, dtype=np.int32), query_start_loc,
+            np.array(logits_indices, dtype=np.int64), np.array(order, dtype=np.int64))
 
     def _inputs(self, input_ids, positions, slots, block_tables, context_lens,
                 query_start_loc, logits_indices, row_order) -> ModelInputs:
         to_dev = self.backend.to_device
-        attn = build_attention_metadata(slots, query_start_loc, context_lens, block_tables,
-                                        to_device=to_dev)
         return ModelInputs(
-            input_ids=input_ids, positions=positions, slot_mapping=slots,
-            block_tables=block_tables, context_lens=context_lens,
-            query_start_loc=query_start_loc, logits_indices=logits_indices,
-            row_order=row_order, attn=attn,
-            input_ids_device=to_dev(input_ids), positions_device=to_dev(positions),
-            logits_indices_device=to_dev(logits_indices))
+            input_ids, positions, slots, block_tables, context_lens, query_start_loc,
+            logits_indices, row_order,
+            attention_metadata(slots, query_start_loc, context_lens, block_tables, to_dev),
+            to_dev(input_ids), to_dev(positions), to_dev(logits_indices))
 
     # ------------------------------------------------------------------ stage 2: copy
     def copy_blocks(self, block_copies, swap_out=(), swap_in=()) -> None:

@@ -44,8 +44,8 @@ def test_prepare_by_hand():
     # Logits rows in scheduler order: the decode's token, then the verify's three.
     assert inputs.logits_indices.tolist() == [0, 8, 9, 10]
     a = inputs.attn
-    assert (a.num_decodes, a.num_decode_tokens, a.max_query_len, a.max_context_len,
-            a.max_decode_context_len) == (2, 2, 6, 8, 6)
+    assert (a.num_seqs, a.num_decodes, a.max_decode_context_len) == (4, 2, 6)
+    assert a.query_start_loc_cpu is inputs.query_start_loc
     text = str(inputs)
     assert "num_decodes 2" in text and "slot_mapping" in text and "[9, 1]" in text
 

@@ -1,7 +1,7 @@
 """`AttentionMetadata`: everything paged attention needs to know about one step, built once.
 
-`ModelRunner.prepare` builds one per step (model_runner.build_attention_metadata, which checks
-the layout and computes the host values) and every layer receives the same object, so what is
+`ModelRunner.prepare` builds one per step (model_runner.attention_metadata; a layout built by
+hand goes through model_runner.build_attention_metadata, which checks it first) and every layer receives the same object, so what is
 derived from it (scalars, masks) is derived once per step, not once per layer.
 
 For `S` sequences and `T = sum(q_len)` query tokens, ordered with the *decode rows first*
@@ -17,8 +17,7 @@ For `S` sequences and `T = sum(q_len)` query tokens, ordered with the *decode ro
 
     host values (plain Python ints / NumPy arrays: reading them never syncs a device)
     num_seqs                         S, the rows
-    num_decodes, num_decode_tokens   decode rows (q_len == 1) and their tokens (equal)
-    max_query_len, max_context_len   over all rows
+    num_decodes                      decode rows (q_len == 1), so also their tokens
     max_decode_context_len           over the decode rows (0 when there are none)
     query_start_loc_cpu, context_lens_cpu, block_tables_cpu
                                      host copies of the arrays, for loops launched per
@@ -51,9 +50,6 @@ class AttentionMetadata:
     context_lens: Array
     block_tables: Array
     num_decodes: int
-    num_decode_tokens: int
-    max_query_len: int
-    max_context_len: int
     max_decode_context_len: int
     query_start_loc_cpu: np.ndarray
     context_lens_cpu: np.ndarray

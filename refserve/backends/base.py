@@ -31,8 +31,8 @@ contiguous cache is the special case `block_size = max_model_len`, one block per
 Attention metadata: one `AttentionMetadata` per step (refserve/backends/attention_metadata.py),
 built on the host by `ModelRunner.prepare` and handed unchanged to every layer. It holds the
 integer arrays (slot_mapping, query_start_loc, context_lens, block_tables; decode rows first)
-on the device and the scalars a kernel launch needs (num_decodes, max_query_len,
-max_context_len, ...) on the host. No op may read a device array back to the host: every size
+on the device and the scalars a kernel launch needs (num_seqs, num_decodes,
+max_decode_context_len) on the host. No op may read a device array back to the host: every size
 it needs is a host scalar of the metadata or an array shape.
 
 dtype: `resolve_dtype(name)` maps EngineConfig.dtype ("auto", "float32", "float16",
@@ -199,7 +199,7 @@ class Backend(abc.ABC):
             attn:              this step's metadata (see attention_metadata.py): device
                                arrays query_start_loc [S+1], context_lens [S],
                                block_tables [S, max_blocks] (PAD_BLOCK past each context),
-                               host scalars num_decodes, max_query_len, max_context_len,
+                               host scalars num_seqs, num_decodes,
                                max_decode_context_len
             returns out:       [T, num_heads, head_dim], same dtype as q
 

@@ -35,7 +35,7 @@ from refserve.backends.cpu_attention import PagedAttention
 from refserve.backends.cpu_sampling import sample_tokens
 from refserve.backends.cpu_threads import thread_policy
 from refserve.backends.few_row_matmul import DenseWeight, fixed_plan
-from refserve.backends.numpy_backend import NumpyBackend, check_attention_shapes
+from refserve.backends.numpy_backend import NumpyBackend
 
 
 class CpuBackend(NumpyBackend):
@@ -79,7 +79,6 @@ class CpuBackend(NumpyBackend):
         """q `[T, H, D]` -> out `[T, H, D]`, same dtype. See `Backend.paged_attention` and
         cpu_attention.py: decode rows read their context through block views, merged by
         online softmax; chunks gather theirs."""
-        check_attention_shapes(q, k_cache, v_cache)
         # Cast once to q's dtype: a float64 scale would silently promote every score matrix.
         return self._attention(q, k_cache, v_cache, attn, q.dtype.type(scale))
 

@@ -185,8 +185,8 @@ class DecodeGraphs:
         attn = AttentionMetadata(
             slot_mapping=self.ints64[2 * batch:3 * batch],
             query_start_loc=self.query_start_loc[:batch + 1],
-            context_lens=ctx, block_tables=tables, num_decodes=batch, num_decode_tokens=batch,
-            max_query_len=1, max_context_len=bucket, max_decode_context_len=bucket,
+            context_lens=ctx, block_tables=tables, num_decodes=batch,
+            max_decode_context_len=bucket,
             query_start_loc_cpu=np.arange(batch + 1, dtype=np.int32),
             context_lens_cpu=np.full(batch, bucket, dtype=np.int32),
             block_tables_cpu=np.zeros((batch, self.width), dtype=np.int32), num_seqs=batch)

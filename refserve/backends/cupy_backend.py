@@ -190,7 +190,7 @@ class CupyBackend(Backend):
                 self._run(cl.decode_v1_launch(out, *arrays, scale, num_decodes, dtype))
         if num_decodes < attn.num_seqs:
             self._run(cl.varlen_launch(out, *arrays, scale, attn.num_seqs,
-                                       attn.num_decode_tokens, dtype))
+                                       num_decodes, dtype))
         return out
 
     def _v2_workspace(self, num_seqs: int, num_heads: int, head_dim: int,

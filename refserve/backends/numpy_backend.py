@@ -72,31 +72,15 @@ class NumpyBackend(Backend):
         v_cache: np.ndarray,
         slot_mapping: np.ndarray,
     ) -> None:
-        """Scatter k, v `[T, num_kv_heads, head_dim]` into the flat slots of the caches.
-
+        """Scatter k, v `[T, num_kv_heads, head_dim]` into the flat slots of the caches;
         `slot_mapping[t] == -1` means "don't write token t". See `Backend.write_kv`.
-        """
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        assert k.shape == v.shape and k.shape[1:] == (num_kv_heads, head_dim), (
-            f"k {k.shape} / v {v.shape} do not match cache heads {(num_kv_heads, head_dim)}"
-        )
-        assert slot_mapping.shape == (k.shape[0],), (
-            f"slot_mapping {slot_mapping.shape} needs one slot per token ({k.shape[0]})"
-        )
-        # The scatter goes through a reshaped *view*; on a non-contiguous cache reshape would
-        # silently return a copy and the writes would be lost.
-        if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
-            raise ValueError("write_kv needs C-contiguous k_cache / v_cache")
-        k_slots = k_cache.reshape(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, ...]
-        v_slots = v_cache.reshape(-1, num_kv_heads, head_dim)
 
-        # Filter on the device, without asking the host whether anything is skipped (that
-        # question is a device->host read). The filtered copies of k and v cost about as much
-        # as the scatter itself, i.e. little next to the matmuls that produced them.
+        The flat view `[num_blocks * block_size, num_kv_heads, head_dim]` must be a view:
+        `copy=False` raises where reshape would silently copy and the writes would be lost.
+        """
         keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        k_slots[slots] = k[keep]
-        v_slots[slots] = v[keep]
+        k_cache.reshape(-1, *k.shape[1:], copy=False)[slot_mapping[keep]] = k[keep]
+        v_cache.reshape(-1, *v.shape[1:], copy=False)[slot_mapping[keep]] = v[keep]
 
     # ----------------------------------------------------------- copy_blocks
 
@@ -148,7 +132,6 @@ class NumpyBackend(Backend):
         gather its context through its block table, then causal attention of its queries
         over it.
         """
-        check_attention_shapes(q, k_cache, v_cache)
         scale = q.dtype.type(scale)
         out = np.empty_like(q)
         qsl, ctx = attn.query_start_loc_cpu, attn.context_lens_cpu
@@ -183,19 +166,6 @@ class NumpyBackend(Backend):
         return rejection_sample(
             draft_token_ids, draft_probs, target_probs, accept_uniforms, draw_uniforms
         )
-
-
-def check_attention_shapes(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray) -> None:
-    """q [T, H, D] and caches [num_blocks, block_size, Hkv, D] of one head_dim, H a multiple
-    of Hkv (each kv head serves a whole group of query heads)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (
-        f"cache {k_cache.shape} / {v_cache.shape} does not match q head_dim {head_dim}"
-    )
-    assert num_heads % num_kv_heads == 0, (
-        f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
-    )
 
 
 def gather_context(cache: np.ndarray, block_table: np.ndarray, num_keys: int) -> np.ndarray:
