@@ -208,34 +208,30 @@ class LLMEngine(RequestIntake):
         rows = [s for s in out.scheduled if s.num_logits > 0]
         first = np.cumsum([0] + [s.num_logits for s in rows])  # row i: logits[first[i]:...]
         assert first[-1] == len(logits), f"{len(logits)} logits rows for {first[-1]} needed"
-        generators = [s.seq.generator for s in rows]
-        states = [g.bit_generator.state for g in generators]
+        states = [s.seq.generator.bit_generator.state for s in rows]
         plain = [i for i, s in enumerate(rows) if not s.draft_token_ids]
         verifying = [i for i, s in enumerate(rows) if s.draft_token_ids]
         result = SampledTokens()
         try:
-            if plain:
-                seqs = [rows[i].seq for i in plain]
-                tokens, logprobs = self._sample_rows(logits[first[plain]], seqs,
-                                                     [s.generator for s in seqs])
-                for i, seq, token, lp in zip(plain, seqs, tokens, logprobs):
-                    result.token_ids[seq.seq_id] = [token]
-                    if lp is not None:
-                        result.logprobs[seq.seq_id] = lp
-                    if seq.awaiting_fork:
-                        result.children[seq.seq_id] = self._draw_children(
-                            logits[first[i]:first[i] + 1], seq)
+            seqs = [rows[i].seq for i in plain]
+            tokens, logprobs = self._sample_rows(logits[first[plain]], seqs,
+                                                 [s.generator for s in seqs])
+            for i, seq, token, lp in zip(plain, seqs, tokens, logprobs):
+                result.token_ids[seq.seq_id], result.logprobs[seq.seq_id] = [token], lp
+                if seq.awaiting_fork:
+                    result.children[seq.seq_id] = self._draw_children(
+                        logits[first[i]:first[i] + 1], seq)
             if verifying:
                 drafts, q = zip(*(verify_inputs(rows[i], proposals or {}) for i in verifying))
                 emitted, _ = verify(
                     [logits[first[i]:first[i + 1]] for i in verifying], drafts, q,
                     [rows[i].seq.sampling_params for i in verifying],
-                    [generators[i] for i in verifying], self.backend)
+                    [rows[i].seq.generator for i in verifying], self.backend)
                 for i, toks in zip(verifying, emitted):
                     result.token_ids[rows[i].seq.seq_id] = toks
         except BaseException:
-            for g, state in zip(generators, states):
-                g.bit_generator.state = state
+            for row, state in zip(rows, states):
+                row.seq.generator.bit_generator.state = state
             raise
         return result
 

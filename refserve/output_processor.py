@@ -48,22 +48,14 @@ def make_outputs(requests: dict[str, RequestState], out: SchedulerOutput,
     docstring); changes only the requests' metrics and their sequences' times."""
     touched: dict[str, RequestState] = {}
     for row in out.scheduled:
-        seq = row.seq
-        req = requests.get(seq.request_id)
-        if req is None or seq.seq_id not in update.appended:
-            continue  # no tokens this step, or aborted since schedule()
-        touched[req.request_id] = req
-        _count_pass(req.metrics, update.verified.get(seq.seq_id))
-    for seq in [row.seq for row in out.scheduled] + update.forked:
-        req = touched.get(seq.request_id)
-        if req is not None:
-            _stamp_times(req, seq, now)
-    outputs = []
+        req = requests.get(row.seq.request_id)
+        if req is not None and row.seq.seq_id in update.appended:  # else aborted, or no tokens
+            touched[req.request_id] = req
+            _count_pass(req.metrics, update.verified.get(row.seq.seq_id))
     for req in touched.values():
-        if req.finished:
-            _finish_metrics(req, now)
-        outputs.append(make_output(req))
-    return outputs
+        for seq in req.seqs:  # a child forked this step is one of them already
+            _stamp_times(req, seq, now)
+    return [make_output(req, now) for req in touched.values()]
 
 
 def _count_pass(m: RequestMetrics, verified: tuple[int, int] | None) -> None:
@@ -113,8 +105,11 @@ def visible_text(seq: Sequence, hold: int) -> str:
     return text
 
 
-def make_output(req: RequestState) -> RequestOutput:
-    """The request's outputs so far (cumulative, as vLLM's default output kind)."""
+def make_output(req: RequestState, now: float) -> RequestOutput:
+    """The request's outputs so far (cumulative, as vLLM's default output kind); a finished
+    request's metrics are completed first."""
+    if req.finished:
+        _finish_metrics(req, now)
     params = req.params
     hold = (max(map(len, params.stop)) - 1
             if params.stop and not params.include_stop_str_in_output else 0)

@@ -97,6 +97,7 @@ stop strings are never checked.
 from __future__ import annotations
 
 import enum
+import functools
 
 import numpy as np
 
@@ -119,10 +120,14 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        # Added-token ids (chat markers, EOS...), read only for the no-spaces rule.
+        # Added-token ids (chat markers, EOS...), read only for the no-spaces rule; without
+        # that rule `decode` is the tokenizer's own.
         self._added: frozenset[int] = frozenset()
         if not skip_special_tokens and not spaces_between_special_tokens:
             self._added = frozenset(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        if not self._added and tokenizer is not None:
+            self.decode = functools.partial(tokenizer.decode,
+                                            skip_special_tokens=skip_special_tokens)
         self.text = ""
         self.prefix_offset = 0  # first token of the decode window
         self.read_offset = 0  # tokens before this one are in `text`
@@ -136,13 +141,12 @@ class IncrementalDetokenizer:
         return other
 
     def decode(self, token_ids: list[int]) -> str:
-        """The text of `token_ids` under this detokenizer's options. No-spaces rule: the ids
-        are cut between every two adjacent added tokens, each piece decoded alone and the
-        pieces joined with nothing, so no separator can appear between those two."""
+        """The text of `token_ids` under the no-spaces rule (without it, `__init__` makes
+        `decode` the tokenizer's own): the ids are cut between every two adjacent added
+        tokens, each piece decoded alone and the pieces joined with nothing, so no separator
+        can appear between those two."""
         decode = self.tokenizer.decode
         skip = self.skip_special_tokens
-        if not self._added:
-            return decode(token_ids, skip_special_tokens=skip)
         pieces, start = [], 0
         for i in range(1, len(token_ids)):
             if token_ids[i] in self._added and token_ids[i - 1] in self._added:

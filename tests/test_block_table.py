@@ -3,11 +3,12 @@
 import pytest
 
 from refserve.kv_cache import BlockTable
+from refserve.kv_cache.block_table import blocks_for_tokens
 
 
 def test_1000_tokens_at_block_size_16():
-    table = BlockTable(16)
-    assert table.blocks_needed(1000) == 63
+    assert blocks_for_tokens(1000, 16) == 63
+    assert BlockTable(16).num_new_blocks(1000) == 63
     assert 1000 - 62 * 16 == 8  # the last block holds 8 of 16
 
 

@@ -84,14 +84,10 @@ class BlockTable:
 
     # ---- the append rule -----------------------------------------------------------------
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
-        return blocks_for_tokens(num_tokens, self.block_size)
-
     def num_new_blocks(self, num_tokens: int) -> int:
         """Blocks to append so that positions [0, num_tokens) all have a slot."""
         # BEGIN EXERCISE append_rule: blocks needed for num_tokens minus blocks held, never < 0
-        return max(0, self.blocks_needed(num_tokens) - self._len)
+        return max(0, blocks_for_tokens(num_tokens, self.block_size) - self._len)
         # END EXERCISE
 
     @property
@@ -173,5 +169,5 @@ if __name__ == "__main__":
         print(f"position {p}: logical block {table.logical_block(p)}, slot {table.slot(p)}")
     print("slots(3, 9) =", table.slots(3, 9))
     for n in (10, 12, 13):
-        print(f"{n} tokens need {table.blocks_needed(n)} blocks -> "
+        print(f"{n} tokens need {blocks_for_tokens(n, table.block_size)} blocks -> "
               f"{table.num_new_blocks(n)} new")

@@ -157,8 +157,8 @@ class SampledTokens:
     token_ids   seq_id -> the tokens to append (1 per sampling row; 1..k+1 after a
                 speculative verify: the accepted drafts, then a recovered or bonus token).
                 Never empty.
-    logprobs    seq_id -> the sampled token's logprobs (refserve/logprobs.py), for rows
-                whose request asked for them.
+    logprobs    seq_id -> the sampled token's logprobs (refserve/logprobs.py); None, or
+                no entry, when its request did not ask for them.
     children    parent seq_id -> the `ChildDraw` of each child 1..n-1 of a parallel-sampling
                 request that sampled its first token this step. `update` forks the children
                 (sharing the parent's blocks) only when it applies the step, so a step that
@@ -166,7 +166,7 @@ class SampledTokens:
     """
 
     token_ids: dict[int, list[int]] = field(default_factory=dict)
-    logprobs: dict[int, dict] = field(default_factory=dict)
+    logprobs: dict[int, dict | None] = field(default_factory=dict)
     children: dict[int, list[ChildDraw]] = field(default_factory=dict)
 
 
