@@ -223,7 +223,7 @@ def log_line(out, retired):
     advanced = [r.seq.seq_id for r in out.scheduled if r.seq.seq_id not in out.admitted]
     return (f"step {out.step:>2}: admitted {out.admitted!s:<7} advanced {advanced!s:<10} "
             f"retired {[s.seq_id for s in retired]!s:<7} preempted {out.preempted!s:<5} "
-            f"tokens {out.num_batched_tokens:>2}  blocks held {out.num_held_blocks}")
+            f"tokens {out.num_batched_tokens:>2}  blocks held {out.blocks.held}")
 
 
 print(log_line(out, update.retired))    # iteration 0, from the cells above

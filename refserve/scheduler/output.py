@@ -18,7 +18,7 @@ Printing a `SchedulerOutput` shows the step as a table (the notebooks do exactly
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,6 +65,16 @@ class ScheduledSequence:
         return "prefill"
 
 
+class BlockCounts(NamedTuple):
+    """The KV pool at one moment: held + evictable + free == total
+    (kv_cache/kv_cache_manager.py)."""
+
+    held: int
+    evictable: int
+    free: int
+    total: int
+
+
 @dataclass
 class SchedulerOutput:
     """What one step computes, plus what changed to get there.
@@ -78,8 +88,8 @@ class SchedulerOutput:
     swap_out / swap_in     swap preemption's (device, host) / (host, device) block copies,
                            run before block_copies (scheduler/swapping.py)
     num_batched_tokens     sum of num_tokens over `scheduled` (<= max_num_batched_tokens)
-    The remaining fields are the limits and the pool after scheduling (held + evictable +
-    free == num_blocks, kv_cache/kv_cache_manager.py), for printing.
+    The remaining fields are the seats and limits, and the pool after scheduling (`blocks`),
+    for printing.
     """
 
     step: int
@@ -94,10 +104,7 @@ class SchedulerOutput:
     max_num_batched_tokens: int = 0
     num_seats_used: int = 0
     max_num_seqs: int = 0
-    num_held_blocks: int = 0
-    num_evictable_blocks: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
+    blocks: BlockCounts = BlockCounts(0, 0, 0, 0)
 
     @property
     def num_logits(self) -> int:
@@ -127,8 +134,8 @@ class SchedulerOutput:
                          f"{_short(row.block_ids)}{drafts}")
         lines.append(f"  budget {self.num_batched_tokens}/{self.max_num_batched_tokens} tokens"
                      f" | seats {self.num_seats_used}/{self.max_num_seqs}"
-                     f" | blocks held {self.num_held_blocks}, cached {self.num_evictable_blocks}"
-                     f", free {self.num_free_blocks} of {self.num_blocks}")
+                     f" | blocks held {self.blocks.held}, cached {self.blocks.evictable}"
+                     f", free {self.blocks.free} of {self.blocks.total}")
         return "\n".join(lines)
 
 

@@ -57,7 +57,13 @@ from refserve.scheduler.drafts import Proposal, count_verified, drafts_that_fit
 from refserve.scheduler.fits import check_scheduler_args
 from refserve.scheduler.forking import Forking
 from refserve.scheduler.intake import Intake
-from refserve.scheduler.output import SampledTokens, ScheduledSequence, SchedulerOutput, StepUpdate
+from refserve.scheduler.output import (
+    BlockCounts,
+    SampledTokens,
+    ScheduledSequence,
+    SchedulerOutput,
+    StepUpdate,
+)
 from refserve.scheduler.scheduling_policy import SchedulingPolicy, make_policy
 from refserve.scheduler.step_retry import last_per_destination, redo
 from refserve.scheduler.swapping import Swapper
@@ -312,17 +318,14 @@ class Scheduler(Intake, Forking):
                 f"the scheduler could schedule nothing with {self.num_waiting} waiting and "
                 f"{self.num_running} running sequences ({kv.num_available_blocks} of "
                 f"{kv.num_blocks} blocks free or evictable)")
-        rows = out.scheduled + out.padding
-        out.num_batched_tokens = sum(row.num_tokens for row in rows)
-        assert out.num_batched_tokens <= self.max_num_batched_tokens
-        assert self.num_seats_used <= self.max_num_seqs
-        out.max_num_batched_tokens = self.max_num_batched_tokens
+        out.num_batched_tokens = sum(row.num_tokens for row in out.scheduled + out.padding)
         out.num_seats_used = self.num_seats_used
+        out.max_num_batched_tokens = self.max_num_batched_tokens
         out.max_num_seqs = self.max_num_seqs
-        out.num_held_blocks = kv.num_held_blocks
-        out.num_evictable_blocks = kv.num_evictable_blocks
-        out.num_free_blocks = kv.num_free_blocks
-        out.num_blocks = kv.num_blocks
+        assert out.num_batched_tokens <= out.max_num_batched_tokens
+        assert out.num_seats_used <= out.max_num_seqs
+        out.blocks = BlockCounts(kv.num_held_blocks, kv.num_evictable_blocks, kv.num_free_blocks,
+                                 kv.num_blocks)
         self.slot_steps_used += len(out.scheduled)
         self.slot_steps_wasted += len(out.padding)
         self.num_steps += 1
@@ -358,7 +361,11 @@ class Scheduler(Intake, Forking):
                              "the last schedule() or was already applied")
         if not isinstance(sampled, SampledTokens):
             sampled = SampledTokens(token_ids=dict(sampled))
-        self._check_sampled(output, sampled)
+        unsampled = [row.seq.seq_id for row in output.scheduled if row.num_logits and row.seq.status
+                     is SequenceStatus.RUNNING and not sampled.token_ids.get(row.seq.seq_id)]
+        if unsampled:
+            raise ValueError(f"update(): no sampled token for sequence(s) {unsampled}; a "
+                             "sampling row appends at least one")
         # Checked: from here on the step is applied.
         result = StepUpdate()
         token_ids, logprobs = dict(sampled.token_ids), dict(sampled.logprobs)
@@ -400,16 +407,6 @@ class Scheduler(Intake, Forking):
                     self._retire(seq, status)
                     result.retired.append(seq)
         return result
-
-    @staticmethod
-    def _check_sampled(output: SchedulerOutput, sampled: SampledTokens) -> None:
-        """Raise unless `sampled` can apply to `output`: every running sequence of a row
-        that samples gets at least one token."""
-        for row in output.scheduled:
-            if (row.num_logits and row.seq.status is SequenceStatus.RUNNING
-                    and not sampled.token_ids.get(row.seq.seq_id)):
-                raise ValueError(f"update(): no sampled token for sequence "
-                                 f"{row.seq.seq_id}; a sampling row appends at least one")
 
     def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
         """RETIRE (called by `update` only): a finished sequence leaves the running batch
