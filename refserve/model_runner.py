@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
+from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata, checked_layout
 from refserve.kv_cache.block_table import slot_mapping as compute_slots
 
 
@@ -101,31 +101,12 @@ def query_tokens(row) -> list[int]:
 def build_attention_metadata(slot_mapping: np.ndarray, query_start_loc: np.ndarray,
                              context_lens: np.ndarray, block_tables: np.ndarray,
                              to_device=np.asarray) -> AttentionMetadata:
-    """The step's `AttentionMetadata` from host NumPy arrays laid out by hand (decode rows
-    first; backends/attention_metadata.py states the layout). Raises ValueError if the arrays
-    break that layout, so that no kernel has to check it per layer. `prepare` builds the
-    layout itself and calls `attention_metadata` directly."""
-    query_start_loc = np.asarray(query_start_loc, dtype=np.int32)
-    context_lens = np.asarray(context_lens, dtype=np.int32)
-    block_tables = np.asarray(block_tables, dtype=np.int32)
-    slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
-    num_seqs = len(context_lens)
-    q_lens = np.diff(query_start_loc)
-    if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc[0] != 0
-            or query_start_loc[-1] != len(slot_mapping)):
-        raise ValueError(f"query_start_loc {query_start_loc} must run from 0 to "
-                         f"T={len(slot_mapping)} with one entry per sequence plus one")
-    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables {block_tables.shape} needs one row per sequence "
-                         f"({num_seqs})")
-    if (q_lens < 1).any() or (q_lens > context_lens).any():
-        raise ValueError(f"every row needs 1 <= q_len <= context_len, got q_lens {q_lens}, "
-                         f"context_lens {context_lens}")
-    num_decodes = int((q_lens == 1).sum())
-    if not (q_lens[:num_decodes] == 1).all():
-        raise ValueError(f"decode rows (q_len == 1) must come first, got q_lens {q_lens}")
-    return attention_metadata(slot_mapping, query_start_loc, context_lens, block_tables,
-                              to_device)
+    """The step's `AttentionMetadata` from host arrays laid out by hand (tests, probes).
+    Raises ValueError if they break the layout (attention_metadata.checked_layout), so that
+    no kernel has to check it per layer. `prepare` builds the layout itself and calls
+    `attention_metadata` directly."""
+    return attention_metadata(*checked_layout(slot_mapping, query_start_loc, context_lens,
+                                              block_tables), to_device)
 
 
 def attention_metadata(slot_mapping, query_start_loc, context_lens, block_tables,

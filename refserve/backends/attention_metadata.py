@@ -1,7 +1,8 @@
 """`AttentionMetadata`: everything paged attention needs to know about one step, built once.
 
 `ModelRunner.prepare` builds one per step (model_runner.attention_metadata; a layout built by
-hand goes through model_runner.build_attention_metadata, which checks it first) and every layer receives the same object, so what is
+hand goes through model_runner.build_attention_metadata, which checks it with
+`checked_layout` first) and every layer receives the same object, so what is
 derived from it (scalars, masks) is derived once per step, not once per layer.
 
 For `S` sequences and `T = sum(q_len)` query tokens, ordered with the *decode rows first*
@@ -58,3 +59,29 @@ class AttentionMetadata:
     # Values a backend derives from this metadata (masks, gather plans), filled on first use
     # by the first layer and reused by the others. Private to the backend that fills it.
     backend_cache: dict = field(default_factory=dict, repr=False)
+
+
+def checked_layout(slot_mapping, query_start_loc, context_lens, block_tables):
+    """The four host arrays of a hand-built layout, as the dtypes above; ValueError if they
+    break the layout (row bounds from 0 to T, a table row per sequence, 1 <= q_len <=
+    context_len, decode rows first)."""
+    query_start_loc = np.asarray(query_start_loc, dtype=np.int32)
+    context_lens = np.asarray(context_lens, dtype=np.int32)
+    block_tables = np.asarray(block_tables, dtype=np.int32)
+    slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
+    num_seqs = len(context_lens)
+    q_lens = np.diff(query_start_loc)
+    if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc[0] != 0
+            or query_start_loc[-1] != len(slot_mapping)):
+        raise ValueError(f"query_start_loc {query_start_loc} must run from 0 to "
+                         f"T={len(slot_mapping)} with one entry per sequence plus one")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {block_tables.shape} needs one row per sequence "
+                         f"({num_seqs})")
+    if (q_lens < 1).any() or (q_lens > context_lens).any():
+        raise ValueError(f"every row needs 1 <= q_len <= context_len, got q_lens {q_lens}, "
+                         f"context_lens {context_lens}")
+    num_decodes = int((q_lens == 1).sum())
+    if not (q_lens[:num_decodes] == 1).all():
+        raise ValueError(f"decode rows (q_len == 1) must come first, got q_lens {q_lens}")
+    return slot_mapping, query_start_loc, context_lens, block_tables

@@ -62,16 +62,8 @@ class NumpyBackend(Backend):
         """x @ W.T: x [T, in], W [out, in] as loaded (`prepare_weight` keeps it as it is)."""
         return x @ weight.T
 
-    # -------------------------------------------------------------- write_kv
-
-    def write_kv(
-        self,
-        k: np.ndarray,
-        v: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        slot_mapping: np.ndarray,
-    ) -> None:
+    def write_kv(self, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                 slot_mapping: np.ndarray) -> None:
         """Scatter k, v `[T, num_kv_heads, head_dim]` into the flat slots of the caches;
         `slot_mapping[t] == -1` means "don't write token t". See `Backend.write_kv`.
 
@@ -81,8 +73,6 @@ class NumpyBackend(Backend):
         keep = slot_mapping >= 0
         k_cache.reshape(-1, *k.shape[1:], copy=False)[slot_mapping[keep]] = k[keep]
         v_cache.reshape(-1, *v.shape[1:], copy=False)[slot_mapping[keep]] = v[keep]
-
-    # ----------------------------------------------------------- copy_blocks
 
     def copy_blocks(self, k_cache: np.ndarray, v_cache: np.ndarray, src_to_dst: np.ndarray) -> None:
         """For each row (src, dst) of `src_to_dst [N, 2]`, block dst := block src, in place.
@@ -99,8 +89,6 @@ class NumpyBackend(Backend):
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
 
-    # ------------------------------------------------------- swap_out / swap_in
-
     def swap_out(self, k_cache, v_cache, host_k, host_v, block_mapping) -> None:
         """host_k[host] = k_cache[device] (and v) for each row (device, host): on a CPU the
         "host link" is a memcpy between two arrays. See `Backend.swap_out`."""
@@ -116,16 +104,8 @@ class NumpyBackend(Backend):
         k_cache[pairs[:, 1]] = host_k[pairs[:, 0]]
         v_cache[pairs[:, 1]] = host_v[pairs[:, 0]]
 
-    # ------------------------------------------------------- paged_attention
-
-    def paged_attention(
-        self,
-        q: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        attn: AttentionMetadata,
-        scale: float,
-    ) -> np.ndarray:
+    def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                        attn: AttentionMetadata, scale: float) -> np.ndarray:
         """q `[T, H, D]` -> out `[T, H, D]`, same dtype. See `Backend.paged_attention`.
 
         One sequence at a time, whatever its kind (a decode, a prefill chunk, a verify):
@@ -143,29 +123,9 @@ class NumpyBackend(Backend):
             out[start:end] = causal_attention(q[start:end], keys, values, scale)
         return out
 
-    # ---------------------------------------------------------------- sampling
-
     def sample(self, logits, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
         """One token per row: `sample_tokens` below, with NumPy. See `Backend.sample`."""
         return sample_tokens(np, logits, temperature, top_k, top_p, min_p, uniforms)
-
-    # ------------------------------------------------------ speculative decoding
-
-    def rejection_sample(
-        self,
-        draft_token_ids: np.ndarray,
-        draft_probs: np.ndarray | None,
-        target_probs: np.ndarray,
-        accept_uniforms: np.ndarray,
-        draw_uniforms: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The reference itself (`refserve.spec_decode.rejection_sampler.rejection_sample`);
-        shapes, dtypes and how the uniforms are consumed: `Backend.rejection_sample`."""
-        from refserve.spec_decode.rejection_sampler import rejection_sample
-
-        return rejection_sample(
-            draft_token_ids, draft_probs, target_probs, accept_uniforms, draw_uniforms
-        )
 
 
 def gather_context(cache: np.ndarray, block_table: np.ndarray, num_keys: int) -> np.ndarray:

@@ -37,6 +37,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from numbers import Integral
 
+from refserve.kv_cache import kv_checks
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has no free block left to serve a request; nothing was changed."""
@@ -137,33 +139,10 @@ class BlockAllocator:
                 f"block {block_id!r} does not exist (valid ids: 0..{self.num_blocks - 1})")
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the available queue and the ref counts disagree."""
-        for block_id, count in enumerate(self._ref_counts):
-            if count < 0:
-                raise AssertionError(f"block {block_id} has negative ref count {count}")
-            if (count == 0) != (block_id in self._available):
-                raise AssertionError(
-                    f"block {block_id}: ref count {count} but "
-                    f"{'in' if block_id in self._available else 'not in'} the available queue")
-        held = sum(1 for count in self._ref_counts if count > 0)
-        if len(self._available) + held != self.num_blocks:
-            raise AssertionError(
-                f"available {len(self._available)} + held {held} != {self.num_blocks}")
+        """Raise AssertionError if the available queue and the ref counts disagree
+        (kv_checks.py)."""
+        kv_checks.check_allocator(self)
 
     def __repr__(self) -> str:
         return (f"BlockAllocator(num_blocks={self.num_blocks}, "
                 f"available={list(self._available)}, ref_counts={self._ref_counts})")
-
-
-if __name__ == "__main__":
-    allocator = BlockAllocator(4)
-    print("start:           ", allocator)
-    a, b = allocator.allocate(), allocator.allocate()
-    print(f"allocate -> {a}, {b}: ", allocator)
-    allocator.incref(a)
-    print(f"incref({a}) (shared):", allocator)
-    allocator.decref(a)
-    allocator.decref(b)
-    print(f"decref({a}), decref({b}):", allocator, f"<- {b} back at the tail, {a} still held")
-    allocator.decref(a, to_front=True)
-    print(f"decref({a}, to_front):", allocator)

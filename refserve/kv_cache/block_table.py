@@ -160,14 +160,3 @@ class BlockTable:
 
     def __repr__(self) -> str:
         return f"BlockTable(block_size={self.block_size}, block_ids={self.block_ids})"
-
-
-if __name__ == "__main__":
-    table = BlockTable(block_size=4, block_ids=[7, 2, 9])
-    print(table)
-    for p in range(10):
-        print(f"position {p}: logical block {table.logical_block(p)}, slot {table.slot(p)}")
-    print("slots(3, 9) =", table.slots(3, 9))
-    for n in (10, 12, 13):
-        print(f"{n} tokens need {blocks_for_tokens(n, table.block_size)} blocks -> "
-              f"{table.num_new_blocks(n)} new")

@@ -52,6 +52,7 @@ from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING
 
 from refserve.config import PREFIX_CACHING_POLICIES
+from refserve.kv_cache import kv_checks
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
 from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens
 from refserve.kv_cache.host_pool import HostBlockPool
@@ -363,51 +364,11 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the allocator, the block tables and the prefix cache
-        disagree (see the module docstring)."""
-        self.allocator.check_invariants()
-        holders = [0] * self.num_blocks
-        for seq_id, table in self._tables.items():
-            if len(set(table.block_ids)) != len(table):
-                raise AssertionError(f"sequence {seq_id} holds a block twice: {table}")
-            for block_id in table:
-                holders[block_id] += 1
-            if self.prefix_cache.num_cached_blocks_of(seq_id) > len(table):
-                raise AssertionError(f"sequence {seq_id} has more cached blocks than blocks")
-        self.prefix_cache.check_invariants(holders)
-        if not self.enable_prefix_caching and len(self.prefix_cache):
-            raise AssertionError("prefix caching is disabled but blocks are cached")
-        if self.num_held_blocks > self.num_held_blocks_peak:
-            raise AssertionError("more blocks held than the recorded peak")
+        disagree (kv_checks.py)."""
+        kv_checks.check_manager(self)
 
     def __repr__(self) -> str:
         tables = {seq_id: t.block_ids for seq_id, t in self._tables.items()}
         return (f"KVCacheManager(blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"held={self.num_held_blocks}, evictable={self.num_evictable_blocks}, "
                 f"free={self.num_free_blocks}, tables={tables})")
-
-
-if __name__ == "__main__":
-    from refserve.sampling import SamplingParams
-    from refserve.sequence import Sequence
-
-    manager = KVCacheManager(num_blocks=8, block_size=4)
-    a = Sequence("a", list(range(10)), SamplingParams(), seq_id=0)
-    manager.allocate_slots(a, a.num_tokens)
-    a.num_computed_tokens = a.num_tokens
-    manager.cache_full_blocks(a)
-    print("a computed 10 tokens:   ", manager)
-    b = Sequence("b", list(range(8)) + [99, 98], SamplingParams(), seq_id=1)
-    blocks, hit = manager.get_computed_blocks(b)
-    print(f"b shares 8 tokens: hit blocks {blocks}, {hit} tokens")
-    manager.allocate_slots(b, b.num_tokens - hit, blocks)
-    print("b admitted:             ", manager)
-    c = a.fork(seq_id=2)
-    manager.fork(a, c)
-    print("a forked into c:        ", manager)
-    c.append_token(42)  # c samples its own next token, at position 10 (shared block 2)
-    print("c writes position 10 -> copies", manager.allocate_slots(c, 1))
-    print("                        ", manager)
-    for seq in (a, b, c):
-        manager.release(seq)
-    print("all released:           ", manager)
-    print("available queue (head first):", list(manager.allocator.available_block_ids()))

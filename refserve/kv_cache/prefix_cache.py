@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 
+from refserve.kv_cache import kv_checks
 from refserve.kv_cache.block_allocator import BlockAllocator
 
 
@@ -151,13 +152,9 @@ class PrefixCache:
         return self.allocator.allocate(), False
 
     def check_invariants(self, holders: SequenceOf[int]) -> None:
-        """holders[b] = block tables holding b; raise AssertionError on a disagreement."""
-        for block_id, count in enumerate(holders):
-            if self.allocator.ref_count(block_id) != count:
-                raise AssertionError(f"block {block_id}: ref count "
-                                     f"{self.allocator.ref_count(block_id)} but held by "
-                                     f"{count} block tables")
-
+        """holders[b] = block tables holding b; raise AssertionError on a disagreement
+        (kv_checks.py)."""
+        kv_checks.check_ref_counts(self, holders)
 
 def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     """The chained hash: hash((hash of the previous block's key, tokens of this block)).
@@ -327,28 +324,7 @@ class HashChainCache(PrefixCache):
         return block_id, True
 
     def check_invariants(self, holders: SequenceOf[int]) -> None:
-        super().check_invariants(holders)
-        if len(self._block_of_key) != len(self._key_of_block) or any(
-                self._key_of_block.get(b) is not k for k, b in self._block_of_key.items()):
-            raise AssertionError("the hash chain's key and block maps are not inverse")
-        evictable = sum(1 for b in self.allocator.available_block_ids() if self.is_cached(b))
-        if evictable != self._num_evictable:
-            raise AssertionError(f"{evictable} evictable blocks, but counted "
-                                 f"{self._num_evictable}")
+        kv_checks.check_hash_chain(self, holders)
 
     def __repr__(self) -> str:
         return f"HashChainCache({self.cached_blocks()})"
-
-
-if __name__ == "__main__":
-    allocator = BlockAllocator(4)
-    cache = HashChainCache(2, allocator)
-    a = [allocator.allocate() for _ in range(2)]
-    cache.attach(0, [])
-    cache.cache_full_blocks(0, [1, 2, 3, 4], a, 2)
-    print("sequence 0 cached [1 2 | 3 4]:", cache)
-    print("lookup [1 2 3 4 5] ->", cache.lookup([1, 2, 3, 4, 5]), " (both blocks hit)")
-    print("lookup [3 4 1 2 5] ->", cache.lookup([3, 4, 1, 2, 5]), " (same tokens, other depth)")
-    cache.release(0, a)
-    print("released: evictable", cache.num_evictable_blocks, "| available queue",
-          list(allocator.available_block_ids()), "(cached blocks at the tail)")
