@@ -86,18 +86,6 @@ class ModelInputs:
     __repr__ = __str__
 
 
-def query_tokens(row) -> list[int]:
-    """The tokens a row computes: (seq.token_ids + row.draft_token_ids)[start:end], without
-    concatenating the whole history (a verify row's drafts come after its last real
-    token; scheduler/drafts.py)."""
-    token_ids = row.seq.token_ids
-    start, end = row.start, row.start + row.num_tokens
-    if end <= len(token_ids):
-        return token_ids[start:end]
-    drafts = list(row.draft_token_ids)
-    return token_ids[start:] + drafts[max(0, start - len(token_ids)):end - len(token_ids)]
-
-
 def build_attention_metadata(slot_mapping: np.ndarray, query_start_loc: np.ndarray,
                              context_lens: np.ndarray, block_tables: np.ndarray,
                              to_device=np.asarray) -> AttentionMetadata:
@@ -162,7 +150,8 @@ class ModelRunner:
             s = rows[i]
             block_tables[flat, :len(s.block_ids)] = s.block_ids
             # BEGIN EXERCISE runner_prepare: a row's query tokens, positions, slots, context_len
-            input_ids += query_tokens(s)
+            # (token_ids + drafts)[start:end]; a verify row's drafts follow its last token
+            input_ids += (s.seq.token_ids[s.start:] + list(s.draft_token_ids))[:s.num_tokens]
             positions += range(s.start, s.start + s.num_tokens)
             # The row's own table, not the padded row: a position without a block raises
             # IndexError instead of turning PAD_BLOCK into a negative slot.

@@ -236,6 +236,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         # held + evictable + free == the pool, each counted exactly
         assert (m.num_held_blocks, m.num_evictable_blocks, m.num_free_blocks) == (
             len(held), len(evictable), len(free))
+        assert m.block_counts() == (len(held), len(evictable), len(free), m.num_blocks)
         assert m.num_available_blocks == len(free) + len(evictable)
         assert set(m.allocator.available_block_ids()) == (
             free if self.radix else free | evictable)

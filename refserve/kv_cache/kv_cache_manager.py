@@ -49,7 +49,7 @@ Invariants (`check_invariants`):
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from refserve.config import PREFIX_CACHING_POLICIES
 from refserve.kv_cache import kv_checks
@@ -63,6 +63,15 @@ if TYPE_CHECKING:
     from refserve.sequence import Sequence
 
 __all__ = ["KVCacheManager", "NoFreeBlocksError"]
+
+
+class BlockCounts(NamedTuple):
+    """The pool at one moment: held + evictable + free == total."""
+
+    held: int
+    evictable: int
+    free: int
+    total: int
 
 
 class KVCacheManager:
@@ -116,6 +125,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         """Blocks no table holds and the cache does not need."""
         return self.prefix_cache.num_free_blocks
+
+    def block_counts(self) -> BlockCounts:
+        """The pool now, in one call (a step's summary); held is what the rest leaves."""
+        evictable, free = self.num_evictable_blocks, self.num_free_blocks
+        return BlockCounts(self.num_blocks - evictable - free, evictable, free, self.num_blocks)
 
     @property
     def num_available_blocks(self) -> int:

@@ -109,11 +109,6 @@ class LlamaModel:
         variance = xp.mean(x * x, axis=-1, keepdims=True)
         return x * (1.0 / xp.sqrt(variance + self.eps)) * weight
 
-    def rope_at(self, positions):
-        """cos, sin of this step's positions, each [T, 1, head_dim / 2] (the 1 broadcasts
-        over heads). Gathered once per step; every layer's `rope` reuses them."""
-        return self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
-
     def rope(self, x, cos, sin):
         """x: [T, heads, head_dim] → rotated copy (rotate-half form, see module docstring)."""
         half = x.shape[-1] // 2
@@ -144,7 +139,9 @@ class LlamaModel:
         T = input_ids.shape[0]
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         inter = c.intermediate_size
-        cos, sin = self.rope_at(positions)
+        # cos, sin of this step's positions, [T, 1, head_dim / 2] (the 1 broadcasts over
+        # heads): gathered once per step, every layer's `rope` reuses them.
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         h = self.embed_tokens[input_ids]                                  # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self.rms_norm(h, layer.input_norm)

@@ -18,7 +18,9 @@ Printing a `SchedulerOutput` shows the step as a table (the notebooks do exactly
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
+
+from refserve.kv_cache.kv_cache_manager import BlockCounts
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,16 +65,6 @@ class ScheduledSequence:
         if self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens:
             return "decode"
         return "prefill"
-
-
-class BlockCounts(NamedTuple):
-    """The KV pool at one moment: held + evictable + free == total
-    (kv_cache/kv_cache_manager.py)."""
-
-    held: int
-    evictable: int
-    free: int
-    total: int
 
 
 @dataclass

@@ -58,7 +58,6 @@ from refserve.scheduler.fits import check_scheduler_args
 from refserve.scheduler.forking import Forking
 from refserve.scheduler.intake import Intake
 from refserve.scheduler.output import (
-    BlockCounts,
     SampledTokens,
     ScheduledSequence,
     SchedulerOutput,
@@ -233,11 +232,11 @@ class Scheduler(Intake, Forking):
 
     def _plan_row(self, seq: Sequence, budget: int, drafts: tuple[int, ...] = ()) -> RowPlan:
         """`seq`'s next row under `budget` (module docstring, ADVANCE). A sequence that holds
-        no blocks (being admitted) first looks up its prefix-cache hits, unless it resumes
-        from swap with its own KV. Pure: changes nothing."""
+        no blocks (a WAITING one, being admitted) first looks up its prefix-cache hits,
+        unless it resumes from swap with its own KV. Pure: changes nothing."""
         kv = self.kv_cache_manager
         computed_blocks: list[int] = []
-        if not kv.has_sequence(seq.seq_id) and not self._is_swapped_out(seq):
+        if seq.status is SequenceStatus.WAITING and not self._is_swapped_out(seq):
             computed_blocks, _ = kv.get_computed_blocks(seq)
         start = seq.num_computed_tokens + len(computed_blocks) * kv.block_size
         real_left = seq.num_tokens - start
@@ -324,8 +323,7 @@ class Scheduler(Intake, Forking):
         out.max_num_seqs = self.max_num_seqs
         assert out.num_batched_tokens <= out.max_num_batched_tokens
         assert out.num_seats_used <= out.max_num_seqs
-        out.blocks = BlockCounts(kv.num_held_blocks, kv.num_evictable_blocks, kv.num_free_blocks,
-                                 kv.num_blocks)
+        out.blocks = kv.block_counts()
         self.slot_steps_used += len(out.scheduled)
         self.slot_steps_wasted += len(out.padding)
         self.num_steps += 1
