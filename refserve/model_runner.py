@@ -213,13 +213,11 @@ class ModelRunner:
         if inputs.num_tokens == 0:
             return np.zeros((0, self.model.config.vocab_size), dtype=np.float32)
         t0 = time.perf_counter()
-        logits = None
-        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
-            logits = self.decode_graphs.run(inputs)  # None if the capture failed: eager
-        if logits is None:
+        graphs = self.decode_graphs
+        logits = graphs.run(inputs) if graphs is not None and graphs.can_run(inputs) else None
+        if logits is None:  # no graph for this batch, or its capture failed: eager
             logits = self.model.forward(inputs.input_ids_device, inputs.positions_device,
-                                        inputs.attn, self.kv_caches,
-                                        inputs.logits_indices_device)
+                                        inputs.attn, self.kv_caches, inputs.logits_indices_device)
         logits = self.backend.to_numpy(logits)
         self.time_in_forward += time.perf_counter() - t0
         return logits

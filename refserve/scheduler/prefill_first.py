@@ -30,7 +30,8 @@ class PrefillFirstScheduler(Scheduler):
         scheduled or preempted anything, the decodes wait. Otherwise a decode step: ADVANCE
         every running sequence."""
         out = self._begin_step()
-        budget = self._advance(out, self.max_num_batched_tokens, prefills_only=True)
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        budget = self._advance(out, self.max_num_batched_tokens, seqs=prefilling)
         if not out.preempted:
             self._admit(out, budget)
         if not out.scheduled and not out.preempted:

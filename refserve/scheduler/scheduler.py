@@ -165,16 +165,14 @@ class Scheduler(Intake, Forking):
 
     def _advance(self, out: SchedulerOutput, budget: int,
                  proposals: Mapping[int, Proposal] = NO_PROPOSALS,
-                 prefills_only: bool = False) -> int:
-        """ADVANCE every running sequence, in order, while budget is left (module
-        docstring); `prefills_only`: only those with more than one token left to compute.
-        Returns the budget left."""
-        for seq in list(self.running):
+                 seqs: list[Sequence] | None = None) -> int:
+        """ADVANCE every running sequence (or those of `seqs`, in running order), in order,
+        while budget is left (module docstring). Returns the budget left."""
+        for seq in list(self.running) if seqs is None else seqs:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or (
-                    prefills_only and seq.num_tokens - seq.num_computed_tokens <= 1):
-                continue  # preempted earlier in this loop, or a decode that waits
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
             proposal = proposals.get(seq.seq_id)
             plan = self._plan_row(seq, budget, proposal.token_ids if proposal else ())
             while (copies := self.kv_cache_manager.allocate_slots(
@@ -235,9 +233,8 @@ class Scheduler(Intake, Forking):
         no blocks (a WAITING one, being admitted) first looks up its prefix-cache hits,
         unless it resumes from swap with its own KV. Pure: changes nothing."""
         kv = self.kv_cache_manager
-        computed_blocks: list[int] = []
-        if seq.status is SequenceStatus.WAITING and not self._is_swapped_out(seq):
-            computed_blocks, _ = kv.get_computed_blocks(seq)
+        admitting = seq.status is SequenceStatus.WAITING and not self._is_swapped_out(seq)
+        computed_blocks = kv.get_computed_blocks(seq)[0] if admitting else []
         start = seq.num_computed_tokens + len(computed_blocks) * kv.block_size
         real_left = seq.num_tokens - start
         if 0 < self.long_prefill_token_threshold < budget:
@@ -304,26 +301,25 @@ class Scheduler(Intake, Forking):
         return out
 
     def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
-        kv = self.kv_cache_manager
         if self.swapper is not None:
             self.swapper.flush(out)  # this step's victims, in one swap_out
             # A carried copy whose destination this step reused is moot: the last wins.
             out.swap_out[:] = last_per_destination(out.swap_out)
             out.swap_in[:] = last_per_destination(out.swap_in)
+        out.blocks = self.kv_cache_manager.block_counts()
         if not out.scheduled and self.has_unfinished():
             # Cannot happen while add_sequence keeps every prompt within the pool; fail
             # loudly rather than let a caller's `while has_unfinished()` spin forever.
             raise RuntimeError(
                 f"the scheduler could schedule nothing with {self.num_waiting} waiting and "
-                f"{self.num_running} running sequences ({kv.num_available_blocks} of "
-                f"{kv.num_blocks} blocks free or evictable)")
+                f"{self.num_running} running sequences ({out.blocks.free + out.blocks.evictable}"
+                f" of {out.blocks.total} blocks free or evictable)")
         out.num_batched_tokens = sum(row.num_tokens for row in out.scheduled + out.padding)
         out.num_seats_used = self.num_seats_used
         out.max_num_batched_tokens = self.max_num_batched_tokens
         out.max_num_seqs = self.max_num_seqs
         assert out.num_batched_tokens <= out.max_num_batched_tokens
         assert out.num_seats_used <= out.max_num_seqs
-        out.blocks = kv.block_counts()
         self.slot_steps_used += len(out.scheduled)
         self.slot_steps_wasted += len(out.padding)
         self.num_steps += 1
@@ -387,16 +383,15 @@ class Scheduler(Intake, Forking):
                 computed = row.start + row.num_tokens
                 status = None
                 if row.num_logits:
-                    emitted = token_ids[seq.seq_id]
                     before = seq.num_output_tokens
-                    status = append_tokens(seq, emitted, self.eos_token_id,
+                    status = append_tokens(seq, token_ids[seq.seq_id], self.eos_token_id,
                                            self.max_model_len, logprobs.get(seq.seq_id))
-                    kept = seq.output_token_ids[before:]
-                    result.appended[seq.seq_id] = kept
+                    result.appended[seq.seq_id] = seq.output_token_ids[before:]  # a stop cuts
                     computed = min(computed, seq.num_tokens - 1)
                     if row.draft_token_ids:
                         result.verified[seq.seq_id] = count_verified(
-                            len(row.draft_token_ids), len(emitted), len(kept))
+                            len(row.draft_token_ids), len(token_ids[seq.seq_id]),
+                            len(result.appended[seq.seq_id]))
                 seq.num_computed_tokens = computed
                 if row.draft_token_ids:
                     kv.trim(seq, seq.num_tokens)  # the rolled-back slots' blocks
