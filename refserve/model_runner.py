@@ -134,14 +134,12 @@ class ModelRunner:
         self.time_in_forward = 0.0  # seconds inside model.forward (the rest is overhead)
 
     # ------------------------------------------------------------------ stage 1: prepare
-    def prepare(self, out) -> ModelInputs:
-        """Flatten `out.scheduled` into a `ModelInputs` (host arrays, decodes first) and
-        build the step's `AttentionMetadata` (arrays moved to the device once, scalars
-        computed on the host once). Raises ValueError on an impossible row."""
-        return self.prepare_rows(out.scheduled)
-
-    def prepare_rows(self, rows) -> ModelInputs:
-        """`prepare` for a list of rows (ScheduledSequence)."""
+    def prepare(self, out, rows=None) -> ModelInputs:
+        """Flatten `out.scheduled` (or `rows`, a list of ScheduledSequence) into a
+        `ModelInputs` (host arrays, decodes first) and build the step's `AttentionMetadata`
+        (arrays moved to the device once, scalars computed on the host once). Raises
+        IndexError on a position without a block."""
+        rows = out.scheduled if rows is None else rows
         order = sorted(range(len(rows)), key=lambda i: rows[i].num_tokens > 1)  # decodes first
         width = max([1] + [len(s.block_ids) for s in rows])
         block_tables = np.full((len(rows), width), PAD_BLOCK, dtype=np.int32)
@@ -164,18 +162,14 @@ class ModelRunner:
         # Logits rows in scheduler order: each row's last num_logits tokens.
         logits_indices = [t for i, s in enumerate(rows)
                           for t in range(row_end[i] - s.num_logits, row_end[i])]
-        return self._inputs(
-            np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64),
-            np.array(slots, dtype=np.int64), block_tables,
-            np.array(context_lens, dtype=np.int32), query_start_loc,
-            np.array(logits_indices, dtype=np.int64), np.array(order, dtype=np.int64))
-
-    def _inputs(self, input_ids, positions, slots, block_tables, context_lens,
-                query_start_loc, logits_indices, row_order) -> ModelInputs:
+        input_ids, positions, slots, logits_indices, order = (
+            np.array(a, dtype=np.int64) for a in (input_ids, positions, slots, logits_indices,
+                                                  order))
+        context_lens = np.array(context_lens, dtype=np.int32)
         to_dev = self.backend.to_device
         return ModelInputs(
             input_ids, positions, slots, block_tables, context_lens, query_start_loc,
-            logits_indices, row_order,
+            logits_indices, order,
             attention_metadata(slots, query_start_loc, context_lens, block_tables, to_dev),
             to_dev(input_ids), to_dev(positions), to_dev(logits_indices))
 
@@ -195,9 +189,9 @@ class ModelRunner:
                     pairs = np.asarray(list(mapping), dtype=np.int64).reshape(-1, 2)
                     for (k, v), (host_k, host_v) in zip(self.kv_caches, self.host_kv_caches):
                         op(k, v, host_k, host_v, pairs)
-        pairs = np.asarray(list(block_copies), dtype=np.int64).reshape(-1, 2)
-        if len(pairs) == 0:
+        if not len(block_copies):
             return
+        pairs = np.asarray(list(block_copies), dtype=np.int64).reshape(-1, 2)
         if len(np.unique(pairs[:, 1])) != len(pairs):
             raise ValueError(f"copy_blocks: a destination block appears twice in "
                              f"{pairs.tolist()}; each CoW copy needs its own block")
@@ -210,7 +204,7 @@ class ModelRunner:
         """One model forward over the prepared batch. Returns float32 logits on the host,
         [inputs.num_logits, vocab], rows in scheduler order. The only device->host copy of
         the step is this result."""
-        if inputs.num_tokens == 0:
+        if not len(inputs.input_ids):
             return np.zeros((0, self.model.config.vocab_size), dtype=np.float32)
         t0 = time.perf_counter()
         graphs = self.decode_graphs

@@ -54,7 +54,12 @@ def make_outputs(requests: dict[str, RequestState], out: SchedulerOutput,
             _count_pass(req.metrics, update.verified.get(row.seq.seq_id))
     for req in touched.values():
         for seq in req.seqs:  # a child forked this step is one of them already
-            _stamp_times(req, seq, now)
+            if seq.first_token_time is None and seq.num_output_tokens > 0:
+                seq.first_token_time = now
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+            if seq.is_finished and seq.finish_time is None:
+                seq.finish_time = now
     return [make_output(req, now) for req in touched.values()]
 
 
@@ -67,15 +72,6 @@ def _count_pass(m: RequestMetrics, verified: tuple[int, int] | None) -> None:
         m.num_spec_verify_steps += 1
         m.num_spec_proposed += proposed
         m.num_spec_accepted += accepted
-
-
-def _stamp_times(req: RequestState, seq: Sequence, now: float) -> None:
-    if seq.first_token_time is None and seq.num_output_tokens > 0:
-        seq.first_token_time = now
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-    if seq.is_finished and seq.finish_time is None:
-        seq.finish_time = now
 
 
 def _finish_metrics(req: RequestState, now: float) -> None:

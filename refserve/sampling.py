@@ -109,8 +109,7 @@ class Sampler:
             tokens[greedy] = np.argmax(x[greedy], axis=-1)     # the first maximum
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            sampled = x if len(rows) == len(x) else x[rows]     # no copy when all sample
-            drawn = self.backend.sample(sampled, **draw_arguments(
+            drawn = self.backend.sample(x[rows], **draw_arguments(
                 [params[i] for i in rows], [generators[i] for i in rows]))
             tokens[rows] = self.backend.to_numpy(drawn)
         return tokens.tolist()

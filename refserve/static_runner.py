@@ -12,22 +12,22 @@ runner (model_runner.py) never reads about it.
 
 from __future__ import annotations
 
-from refserve.model_runner import ModelInputs, ModelRunner
+from refserve.model_runner import ModelInputs, ModelRunner, attention_metadata
 
 
 class StaticBatchRunner(ModelRunner):
     """A ModelRunner whose `prepare` adds `out.padding` as decode rows that write nothing."""
 
-    def prepare(self, out) -> ModelInputs:
-        inputs = self.prepare_rows(out.scheduled + out.padding)
+    def prepare(self, out, rows=None) -> ModelInputs:
+        inputs = super().prepare(out, out.scheduled + out.padding)
         if not out.padding:
             return inputs
         # Flat row f is row_order[f] of the list above: the padding rows are its tail.
         first_padding = len(out.scheduled)
-        slots = inputs.slot_mapping.copy()
         for flat, i in enumerate(inputs.row_order.tolist()):
             if i >= first_padding:
-                slots[inputs.query_start_loc[flat]] = -1
-        return self._inputs(inputs.input_ids, inputs.positions, slots, inputs.block_tables,
-                            inputs.context_lens, inputs.query_start_loc,
-                            inputs.logits_indices, inputs.row_order)
+                inputs.slot_mapping[inputs.query_start_loc[flat]] = -1
+        inputs.attn = attention_metadata(inputs.slot_mapping, inputs.query_start_loc,
+                                         inputs.context_lens, inputs.block_tables,
+                                         self.backend.to_device)
+        return inputs

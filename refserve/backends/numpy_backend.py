@@ -117,9 +117,8 @@ class NumpyBackend(Backend):
         qsl, ctx = attn.query_start_loc_cpu, attn.context_lens_cpu
         for i in range(attn.num_seqs):
             start, end, context_len = int(qsl[i]), int(qsl[i + 1]), int(ctx[i])
-            table = attn.block_tables_cpu[i]
-            keys = gather_context(k_cache, table, context_len)    # [L, Hkv, D]
-            values = gather_context(v_cache, table, context_len)
+            keys = gather_context(k_cache, attn.block_tables_cpu[i], context_len)  # [L, Hkv, D]
+            values = gather_context(v_cache, attn.block_tables_cpu[i], context_len)
             out[start:end] = causal_attention(q[start:end], keys, values, scale)
         return out
 

@@ -128,7 +128,7 @@ class KVCacheManager:
 
     def block_counts(self) -> BlockCounts:
         """The pool now, in one call (a step's summary); held is what the rest leaves."""
-        evictable, free = self.num_evictable_blocks, self.num_free_blocks
+        evictable, free = self.prefix_cache.num_evictable_blocks, self.prefix_cache.num_free_blocks
         return BlockCounts(self.num_blocks - evictable - free, evictable, free, self.num_blocks)
 
     @property

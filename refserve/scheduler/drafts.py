@@ -26,7 +26,7 @@ exists for exactly one engine step, and travels through it as a value:
                  counts.
 
 Nothing else reads or writes draft tokens; the runner reads `row.draft_token_ids` to build
-the row's query tokens (model_runner.py: `prepare_rows`).
+the row's query tokens (model_runner.py: `prepare`).
 """
 
 from __future__ import annotations

@@ -375,7 +375,6 @@ class Scheduler(Intake, Forking):
                 result.forked.append(child)
         self._pending = None
         riders, self._riders = self._riders, {}
-        kv = self.kv_cache_manager
         for row in output.scheduled:
             for seq in [row.seq, *riders.get(row.seq.seq_id, [])]:
                 if seq.status is not SequenceStatus.RUNNING:
@@ -394,8 +393,8 @@ class Scheduler(Intake, Forking):
                             len(result.appended[seq.seq_id]))
                 seq.num_computed_tokens = computed
                 if row.draft_token_ids:
-                    kv.trim(seq, seq.num_tokens)  # the rolled-back slots' blocks
-                kv.cache_full_blocks(seq)
+                    self.kv_cache_manager.trim(seq, seq.num_tokens)  # the rolled-back slots
+                self.kv_cache_manager.cache_full_blocks(seq)
                 if status is not None:
                     self._retire(seq, status)
                     result.retired.append(seq)
