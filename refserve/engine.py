@@ -210,7 +210,6 @@ class LLMEngine(RequestIntake):
         assert first[-1] == len(logits), f"{len(logits)} logits rows for {first[-1]} needed"
         states = [s.seq.generator.bit_generator.state for s in rows]
         plain = [i for i, s in enumerate(rows) if not s.draft_token_ids]
-        verifying = [i for i, s in enumerate(rows) if s.draft_token_ids]
         result = SampledTokens()
         try:
             seqs = [rows[i].seq for i in plain]
@@ -221,7 +220,8 @@ class LLMEngine(RequestIntake):
                 if seq.awaiting_fork:
                     result.children[seq.seq_id] = self._draw_children(
                         logits[first[i]:first[i] + 1], seq)
-            if verifying:
+            if len(plain) < len(rows):
+                verifying = [i for i, s in enumerate(rows) if s.draft_token_ids]
                 drafts, q = zip(*(verify_inputs(rows[i], proposals or {}) for i in verifying))
                 emitted, _ = verify(
                     [logits[first[i]:first[i + 1]] for i in verifying], drafts, q,
@@ -260,9 +260,8 @@ class LLMEngine(RequestIntake):
             if req is not None:
                 req.seqs.append(child)
         outputs = make_outputs(self.requests, out, update, time.perf_counter())
-        for output in outputs:
-            if output.finished:
-                del self.requests[output.request_id]
+        for finished in [o.request_id for o in outputs if o.finished]:
+            del self.requests[finished]
         return outputs
 
     def _sample_rows(self, logits: np.ndarray, seqs: list[Sequence],

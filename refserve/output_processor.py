@@ -51,7 +51,13 @@ def make_outputs(requests: dict[str, RequestState], out: SchedulerOutput,
         req = requests.get(row.seq.request_id)
         if req is not None and row.seq.seq_id in update.appended:  # else aborted, or no tokens
             touched[req.request_id] = req
-            _count_pass(req.metrics, update.verified.get(row.seq.seq_id))
+            # One target pass; a verify row adds its drafts proposed and accepted
+            # (scheduler/drafts.py: count_verified), so output tokens = passes + accepted.
+            req.metrics.num_target_passes += 1
+            if (verified := update.verified.get(row.seq.seq_id)) is not None:
+                req.metrics.num_spec_verify_steps += 1
+                req.metrics.num_spec_proposed += verified[0]
+                req.metrics.num_spec_accepted += verified[1]
     for req in touched.values():
         for seq in req.seqs:  # a child forked this step is one of them already
             if seq.first_token_time is None and seq.num_output_tokens > 0:
@@ -61,17 +67,6 @@ def make_outputs(requests: dict[str, RequestState], out: SchedulerOutput,
             if seq.is_finished and seq.finish_time is None:
                 seq.finish_time = now
     return [make_output(req, now) for req in touched.values()]
-
-
-def _count_pass(m: RequestMetrics, verified: tuple[int, int] | None) -> None:
-    """One target pass sampled for the request; a verify row adds its drafts proposed and
-    accepted (scheduler/drafts.py: count_verified), so output tokens = passes + accepted."""
-    m.num_target_passes += 1
-    if verified is not None:
-        proposed, accepted = verified
-        m.num_spec_verify_steps += 1
-        m.num_spec_proposed += proposed
-        m.num_spec_accepted += accepted
 
 
 def _finish_metrics(req: RequestState, now: float) -> None:

@@ -101,8 +101,14 @@ class Sampler:
         params use penalties, min_tokens or bad_words; eos_token_id only by min_tokens;
         bad_words_token_ids (per row, logits_processors.bad_words_token_ids) only by
         bad_words. The caller's `logits` are never modified."""
-        x = self.process_logits(logits, params, prompt_token_ids, output_token_ids,
-                                eos_token_id, bad_words_token_ids)
+        x = np.asarray(logits, dtype=np.float32)
+        if x.ndim != 2 or len(x) != len(params):
+            raise ValueError(f"Sampler: expected logits [N, V] with one row per params, got "
+                             f"{x.shape} for {len(params)} params")
+        processed = [i for i, p in enumerate(params) if p.rewrites_logits or p.min_tokens]
+        if processed:  # on a copy: the caller's logits stay as they are
+            x = self.process_logits(x, params, processed, prompt_token_ids, output_token_ids,
+                                    eos_token_id, bad_words_token_ids)
         tokens = np.zeros(len(x), dtype=np.int64)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
@@ -130,17 +136,10 @@ class Sampler:
                 logprobs[i] = d
         return SamplerOutput(tokens, logprobs)
 
-    def process_logits(self, logits, params, prompt_token_ids=None, output_token_ids=None,
+    def process_logits(self, x, params, rows, prompt_token_ids=None, output_token_ids=None,
                        eos_token_id=None, bad_words_token_ids=None) -> np.ndarray:
-        """The logits after the logits processors (in logits_processors.py's order), as
-        float32; a copy when any row changes, else the caller's array itself."""
-        x = np.asarray(logits, dtype=np.float32)
-        if x.ndim != 2 or len(x) != len(params):
-            raise ValueError(f"Sampler: expected logits [N, V] with one row per params, got "
-                             f"{x.shape} for {len(params)} params")
-        rows = [i for i, p in enumerate(params) if p.rewrites_logits or p.min_tokens]
-        if not rows:
-            return x
+        """A copy of the float32 logits `x` [N, V] after the logits processors (in
+        logits_processors.py's order) of `rows`, the rows whose params use one."""
         x = x.copy()
         for i in rows:
             p = params[i]

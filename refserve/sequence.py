@@ -180,8 +180,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+        return self.value in ("stop", "length", "abort")  # the three FINISHED_ values
 
     @property
     def finish_reason(self) -> str | None:

@@ -93,6 +93,8 @@ def test_num_computed_tokens_has_one_writer_in_the_scheduler():
     made (or forked), and the draft-model proposer keeps its own shadow sequences."""
     found = {}
     for path in ROOT.rglob("*.py"):
+        if path.stem == "demo" or path.stem.endswith("_demo"):
+            continue  # worked examples set a sequence's state by hand
         source = path.read_text().split('if __name__ == "__main__":')[0]  # demos aside
         writers = computed_token_writers(ast.parse(source))
         if writers:

@@ -41,12 +41,10 @@ class NumpyBackend(Backend):
     # ------------------------------------------------------------------ arrays
 
     def to_device(self, array: Any) -> np.ndarray:
-        """Identity for an ndarray (there is no device); array-likes become ndarrays."""
+        """Identity for an ndarray (the host is the device); array-likes become ndarrays."""
         return np.asarray(array)
 
-    def to_numpy(self, array: Any) -> np.ndarray:
-        """Identity for an ndarray."""
-        return np.asarray(array)
+    to_numpy = to_device  # from the device to the host: the same identity
 
     def resolve_dtype(self, dtype: str) -> np.dtype:
         """float32 for "auto" and "float32"; ValueError for anything else (NumPy has no

@@ -105,9 +105,8 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ building blocks
     def rms_norm(self, x, weight):
-        xp = self.xp
-        variance = xp.mean(x * x, axis=-1, keepdims=True)
-        return x * (1.0 / xp.sqrt(variance + self.eps)) * weight
+        variance = self.xp.mean(x * x, axis=-1, keepdims=True)
+        return x * (1.0 / self.xp.sqrt(variance + self.eps)) * weight
 
     def rope(self, x, cos, sin):
         """x: [T, heads, head_dim] → rotated copy (rotate-half form, see module docstring)."""
@@ -116,10 +115,9 @@ class LlamaModel:
         return self.xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def silu(self, x):
-        xp = self.xp
         # exp(-x) overflows to inf for very negative x; x / inf = -0 is the right limit.
         with np.errstate(over="ignore"):
-            return x / (1.0 + xp.exp(-x))
+            return x / (1.0 + self.xp.exp(-x))
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids, positions, attn, kv_caches, logits_indices=None):
@@ -136,9 +134,7 @@ class LlamaModel:
         the metadata's host scalars.
         """
         c, xp, backend = self.config, self.xp, self.backend
-        T = input_ids.shape[0]
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        inter = c.intermediate_size
         # cos, sin of this step's positions, [T, 1, head_dim / 2] (the 1 broadcasts over
         # heads): gathered once per step, every layer's `rope` reuses them.
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
@@ -149,17 +145,16 @@ class LlamaModel:
             if layer.b_qkv is not None:
                 qkv = qkv + layer.b_qkv
             # q and k heads side by side: one rope call rotates both.
-            qk = self.rope(qkv[:, :(H + Hkv) * D].reshape(T, H + Hkv, D), cos, sin)
+            qk = self.rope(qkv[:, :(H + Hkv) * D].reshape(-1, H + Hkv, D), cos, sin)
             q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
+            v = qkv[:, (H + Hkv) * D:].reshape(-1, Hkv, D)
             backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
             o = backend.paged_attention(q, k_cache, v_cache, attn, self.scale)
-            o = backend.linear(o.reshape(T, H * D), layer.w_o)
+            o = backend.linear(o.reshape(-1, H * D), layer.w_o)
             h = h + o if layer.b_o is None else h + (o + layer.b_o)
             x = self.rms_norm(h, layer.post_attention_norm)
-            gate_up = backend.linear(x, layer.w_gate_up)                  # [T, 2·inter]
-            h = h + backend.linear(self.silu(gate_up[:, :inter]) * gate_up[:, inter:],
-                                   layer.w_down)
+            gate, up = xp.split(backend.linear(x, layer.w_gate_up), 2, axis=-1)  # [T, inter]
+            h = h + backend.linear(self.silu(gate) * up, layer.w_down)
         if logits_indices is not None:
             h = h[logits_indices]
         logits = backend.linear(self.rms_norm(h, self.final_norm), self.lm_head)

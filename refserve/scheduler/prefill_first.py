@@ -32,7 +32,7 @@ class PrefillFirstScheduler(Scheduler):
         out = self._begin_step()
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         budget = self._advance(out, self.max_num_batched_tokens, seqs=prefilling)
-        if not out.preempted:
+        if self.waiting and not out.preempted:
             self._admit(out, budget)
         if not out.scheduled and not out.preempted:
             self._advance(out, self.max_num_batched_tokens, proposals)

@@ -159,7 +159,7 @@ class Scheduler(Intake, Forking):
         this step's drafts by seq_id (they ride the rows they fit, drafts.py)."""
         out = self._begin_step()
         budget = self._advance(out, self.max_num_batched_tokens, proposals)
-        if not out.preempted:
+        if self.waiting and not out.preempted:
             self._admit(out, budget)
         return self._end_step(out)
 
@@ -200,9 +200,8 @@ class Scheduler(Intake, Forking):
         """ADMIT waiting sequences in the policy's order (fcfs: from the head): the FIRST of
         the order joins `running` if a seat is free, budget is left and the pool holds its
         first row (after prefix-cache hits); otherwise admission stops for this step. The
-        admitted leave `waiting`, and the policy hears of the round (lpm's guard counts it)."""
-        if not self.waiting:
-            return
+        admitted leave `waiting`, and the policy hears of the round (lpm's guard counts it).
+        Called only while some sequence waits."""
         queue = list(self.waiting)
         order = self.policy.order(queue, self.kv_cache_manager.prefix_match_length)
         admitted: list[Sequence] = []
@@ -294,7 +293,8 @@ class Scheduler(Intake, Forking):
     def _begin_step(self) -> SchedulerOutput:
         """A new output. If the last step was never applied (its forward or sampling
         failed), this step plans its work again (step_retry.py)."""
-        out = SchedulerOutput(step=self.num_steps)
+        out = SchedulerOutput(step=self.num_steps, max_num_seqs=self.max_num_seqs,
+                              max_num_batched_tokens=self.max_num_batched_tokens)
         failed, self._pending, self._riders = self._pending, None, {}
         if failed is not None:
             redo(self, failed, out)
@@ -316,8 +316,6 @@ class Scheduler(Intake, Forking):
                 f" of {out.blocks.total} blocks free or evictable)")
         out.num_batched_tokens = sum(row.num_tokens for row in out.scheduled + out.padding)
         out.num_seats_used = self.num_seats_used
-        out.max_num_batched_tokens = self.max_num_batched_tokens
-        out.max_num_seqs = self.max_num_seqs
         assert out.num_batched_tokens <= out.max_num_batched_tokens
         assert out.num_seats_used <= out.max_num_seqs
         self.slot_steps_used += len(out.scheduled)

@@ -325,7 +325,7 @@ class SimulatedEngine:
                         itl.append(now - last_token[seq.seq_id])
                     last_token[seq.seq_id] = now
                     verified = update.verified.get(seq.seq_id)
-                    if verified is not None:  # output_processor._count_pass's counts
+                    if verified is not None:  # output_processor.make_outputs's counts
                         m.num_spec_verify_steps += 1
                         m.num_spec_proposed += verified[0]
                         m.num_spec_accepted += verified[1]
