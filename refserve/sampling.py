@@ -114,8 +114,8 @@ class Sampler:
         if greedy:
             tokens[greedy] = np.argmax(x[greedy], axis=-1)     # the first maximum
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            drawn = self.backend.sample(x[rows], **draw_arguments(
+        if rows:  # (no copy of the logits when every row samples)
+            drawn = self.backend.sample(x if len(rows) == len(x) else x[rows], **draw_arguments(
                 [params[i] for i in rows], [generators[i] for i in rows]))
             tokens[rows] = self.backend.to_numpy(drawn)
         return tokens.tolist()
