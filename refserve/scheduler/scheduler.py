@@ -57,12 +57,7 @@ from refserve.scheduler.drafts import Proposal, count_verified, drafts_that_fit
 from refserve.scheduler.fits import check_scheduler_args
 from refserve.scheduler.forking import Forking
 from refserve.scheduler.intake import Intake
-from refserve.scheduler.output import (
-    SampledTokens,
-    ScheduledSequence,
-    SchedulerOutput,
-    StepUpdate,
-)
+from refserve.scheduler.output import SampledTokens, ScheduledSequence, SchedulerOutput, StepUpdate
 from refserve.scheduler.scheduling_policy import SchedulingPolicy, make_policy
 from refserve.scheduler.step_retry import last_per_destination, redo
 from refserve.scheduler.swapping import Swapper
@@ -353,8 +348,9 @@ class Scheduler(Intake, Forking):
                              "the last schedule() or was already applied")
         if not isinstance(sampled, SampledTokens):
             sampled = SampledTokens(token_ids=dict(sampled))
-        unsampled = [row.seq.seq_id for row in output.scheduled if row.num_logits and row.seq.status
-                     is SequenceStatus.RUNNING and not sampled.token_ids.get(row.seq.seq_id)]
+        unsampled = [row.seq.seq_id for row in output.scheduled
+                     if row.num_logits and row.seq.status is SequenceStatus.RUNNING
+                     and not sampled.token_ids.get(row.seq.seq_id)]
         if unsampled:
             raise ValueError(f"update(): no sampled token for sequence(s) {unsampled}; a "
                              "sampling row appends at least one")
