@@ -187,9 +187,7 @@ class LLMEngine(RequestIntake):
         """The proposal stage: this step's drafts by seq_id, for the running sequences that
         may speculate (speculation/speculator.py); {} without speculative decoding. The
         drafts are values: they live until this step's update (scheduler/drafts.py)."""
-        if self.speculator is None:
-            return {}
-        return self.speculator.propose(self.scheduler.running)
+        return {} if self.speculator is None else self.speculator.propose(self.scheduler.running)
 
     def sample(self, out: SchedulerOutput, logits: np.ndarray,
                proposals: Proposals | None = None) -> SampledTokens:

@@ -153,7 +153,8 @@ class LlamaModel:
             o = backend.linear(o.reshape(-1, H * D), layer.w_o)
             h = h + o if layer.b_o is None else h + (o + layer.b_o)
             x = self.rms_norm(h, layer.post_attention_norm)
-            gate, up = xp.split(backend.linear(x, layer.w_gate_up), 2, axis=-1)  # [T, inter]
+            gate_up = backend.linear(x, layer.w_gate_up)                  # [T, 2·inter]
+            gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
             h = h + backend.linear(self.silu(gate) * up, layer.w_down)
         if logits_indices is not None:
             h = h[logits_indices]
