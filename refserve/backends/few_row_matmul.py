@@ -54,10 +54,12 @@ one block that sits in cache, the Haswell kernel's transposed form looked no bet
 plain, while read from memory it is 1.4-1.6x faster.
 Wall clock (the two-thread form must be timed as it runs); a form's time is its minimum.
 The layout whose best forms are closest to the best of all is kept (the median over the
-row counts); each row count then takes the fastest form of that layout measured at the
-largest calibrated row count not above it, a simpler form within MARGIN of the fastest
-winning (noise must not pick the two-thread form). About 7 x 4 x 3 timings of 0.2-1 ms:
-tens of milliseconds per shape.
+row counts), [out, in] unless [in, out] beats it by more than MARGIN (on a SkylakeX machine
+the two time within a few percent while the model loads, and noise must not flip the layout
+from one start-up to the next); each row count then takes the fastest form of that layout
+measured at the largest calibrated row count not above it, a simpler form within MARGIN of
+the fastest winning (noise must not pick the two-thread form). About 7 x 4 x 3 timings of
+0.2-1 ms: tens of milliseconds per shape.
 `REFSERVE_MATMUL=auto|plain|chunked|chunked2|transposed` forces one form for 2..MAX_FEW_ROWS
 rows (plain: one gemv / sgemm per product).
 """
@@ -83,7 +85,7 @@ PROBE_BYTES = 2 << 20      # calibrate on blocks of at most this many bytes of t
 POOL_BYTES = 40 << 20      # ... cycling through this many bytes of them (more than the L3)
 REPEATS = 3                # timings per form and row count; the minimum counts
 DROP_SLOWER = 3.0          # after two rounds this many times the best: no more rounds
-MARGIN = 0.1               # a simpler form within 10% of the fastest is kept
+MARGIN = 0.1               # a simpler form (or layout) within 10% of the fastest is kept
 
 _helper: ThreadPoolExecutor | None = None   # the second thread of chunked2, made on first use
 
@@ -263,7 +265,9 @@ def calibrate(shape, rows=CALIBRATION_ROWS, forms=None, repeats: int = REPEATS) 
 def choose(seconds: dict[tuple[str, int], float], rows=CALIBRATION_ROWS) -> Plan:
     """The plan from measured seconds[(form, rows)]. The layout: the one whose best form is
     the least slower than the best of all, as the median over the row counts (one timing
-    spike must not move a weight; ties: [out, in]). Per measured row count, that layout's
+    spike must not move a weight), and [out, in] unless [in, out] is more than MARGIN less
+    slow: within that the two tie, and a tie settled by timing noise would change the
+    forward from one start-up to the next. Per measured row count, that layout's
     fastest form, except that a simpler form (order of FORMS) within MARGIN of it is kept
     (timing noise must not pick the two-thread form). Unmeasured row counts take the choice
     at the largest measured row count below them."""
@@ -275,6 +279,8 @@ def choose(seconds: dict[tuple[str, int], float], rows=CALIBRATION_ROWS) -> Plan
                if all(any(r == m and LAYOUT_OF[f] == lay for f, r in seconds) for m in rows)]
     slowdown = {lay: np.median([best(m, lay) / best(m) for m in rows]) for lay in layouts}
     layout = min(layouts, key=lambda lay: slowdown[lay])
+    if OUT_IN in slowdown and slowdown[OUT_IN] <= (1 + MARGIN) * slowdown[layout]:
+        layout = OUT_IN
     chosen = {}
     for m in rows:
         mine = [f for f in FORMS if LAYOUT_OF[f] == layout and (f, m) in seconds]
