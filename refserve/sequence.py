@@ -180,7 +180,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")  # the three FINISHED_ values
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
     @property
     def finish_reason(self) -> str | None:

@@ -19,9 +19,11 @@ class StaticBatchRunner(ModelRunner):
     """A ModelRunner whose `prepare` adds `out.padding` as decode rows that write nothing."""
 
     def prepare(self, out, rows=None) -> ModelInputs:
+        """The continuous runner's `prepare` of `out.scheduled + out.padding` (or of `rows`,
+        as given), the padding rows' slots set to -1."""
+        if rows is not None or not out.padding:
+            return super().prepare(out, rows)
         inputs = super().prepare(out, out.scheduled + out.padding)
-        if not out.padding:
-            return inputs
         # Flat row f is row_order[f] of the list above: the padding rows are its tail.
         first_padding = len(out.scheduled)
         for flat, i in enumerate(inputs.row_order.tolist()):

@@ -50,6 +50,27 @@ def test_prepare_by_hand():
     assert "num_decodes 2" in text and "slot_mapping" in text and "[9, 1]" in text
 
 
+class CopyingBackend(NumpyBackend):
+    """A backend whose device arrays are copies, as a GPU's are."""
+
+    def to_device(self, array):
+        return np.array(array)
+
+
+def test_static_padding_writes_nothing_on_the_device_too():
+    """The padding row's slot -1 must reach the metadata the kernels read, not only the host
+    array; and rows given to the static runner are prepared as the continuous runner does."""
+    decode = row(list(range(200, 206)), 5, 1, [9, 1])
+    padding = row([400, 401, 402], 2, 1, [5], num_logits=0)
+    runner = fake_runner(runner=StaticBatchRunner)
+    runner.backend = CopyingBackend()
+    inputs = runner.prepare(SimpleNamespace(scheduled=[decode], padding=[padding]))
+    assert inputs.attn.slot_mapping is not inputs.slot_mapping
+    assert inputs.attn.slot_mapping.tolist() == [1 * 4 + 1, -1]
+    given = runner.prepare(SimpleNamespace(scheduled=[], padding=[padding]), rows=[decode])
+    assert given.slot_mapping.tolist() == [1 * 4 + 1]
+
+
 def test_a_position_without_a_block_is_refused_not_invented():
     """A draft position with no block would be a scheduler bug: prepare fails loudly, even
     when another row's longer table pads this row's with PAD_BLOCK."""

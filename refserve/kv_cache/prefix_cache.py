@@ -156,6 +156,7 @@ class PrefixCache:
         (kv_checks.py)."""
         kv_checks.check_ref_counts(self, holders)
 
+
 def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     """The chained hash: hash((hash of the previous block's key, tokens of this block)).
     Python's hash of ints and tuples of ints is the same in every run. Tests replace this

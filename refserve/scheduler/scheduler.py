@@ -379,7 +379,7 @@ class Scheduler(Intake, Forking):
                     before = seq.num_output_tokens
                     status = append_tokens(seq, token_ids[seq.seq_id], self.eos_token_id,
                                            self.max_model_len, logprobs.get(seq.seq_id))
-                    result.appended[seq.seq_id] = seq.output_token_ids[before:]  # a stop cuts
+                    result.appended[seq.seq_id] = seq.output_token_ids[before:]  # up to a stop
                     computed = min(computed, seq.num_tokens - 1)
                     if row.draft_token_ids:
                         result.verified[seq.seq_id] = count_verified(
