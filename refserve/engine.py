@@ -49,10 +49,10 @@ from refserve.scheduler.factory import make_scheduler
 from refserve.scheduler.swapping import swap_stats
 from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
-from refserve.speculation.cost_probe import dense_seconds
-from refserve.speculation.registry import resolve as resolve_proposer
-from refserve.speculation.speculator import Speculator
-from refserve.speculation.verify import verify
+from refserve.spec_decode.cost_probe import dense_seconds
+from refserve.spec_decode.registry import resolve as resolve_proposer
+from refserve.spec_decode.speculator import Speculator
+from refserve.spec_decode.verify import verify
 from refserve.static_runner import StaticBatchRunner
 
 
@@ -185,7 +185,7 @@ class LLMEngine(RequestIntake):
 
     def propose(self) -> Proposals:
         """The proposal stage: this step's drafts by seq_id, for the running sequences that
-        may speculate (speculation/speculator.py); {} without speculative decoding. The
+        may speculate (spec_decode/speculator.py); {} without speculative decoding. The
         drafts are values: they live until this step's update (scheduler/drafts.py)."""
         return {} if self.speculator is None else self.speculator.propose(self.scheduler.running)
 
@@ -193,7 +193,7 @@ class LLMEngine(RequestIntake):
                proposals: Proposals | None = None) -> SampledTokens:
         """The sampling stage: one token per sampling row of `out`, from its logits row;
         1..k+1 tokens per speculative verify row (num_logits = k + 1), from its k + 1 logits
-        rows by the accept / residual-resample step (speculation/verify.py, which states the
+        rows by the accept / residual-resample step (spec_decode/verify.py, which states the
         order in which a verify row draws its uniforms from the sequence's generator), with
         the drafts' q from `proposals` (the propose stage's result).
 

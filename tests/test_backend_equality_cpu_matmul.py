@@ -201,7 +201,7 @@ def test_a_tiny_model_with_every_form_gives_the_reference_logits(tiny_folder):
 
     from refserve.backends import CpuBackend, NumpyBackend
     from refserve.models.loader import load_model
-    from refserve.speculation.cost_probe import with_backend
+    from refserve.spec_decode.cost_probe import with_backend
 
     model = load_model(tiny_folder, NumpyBackend())
     tokens = list(range(3, 40))

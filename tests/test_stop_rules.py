@@ -22,7 +22,7 @@ from refserve.sequence import (
     append_tokens,
     find_stop_string,
 )
-from refserve.speculation.proposer import Proposer
+from refserve.spec_decode.proposer import Proposer
 
 STOPPED, LENGTH = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
 EOS = 25  # "Z" in the letter tokenizer's alphabet, but a special token: decodes to nothing

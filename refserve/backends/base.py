@@ -11,7 +11,8 @@ ones a faster backend replaces (with kernels on a GPU, with tuned forms on a CPU
     copy_blocks      copy whole blocks, for copy-on-write                  (block copy)
     swap_out         device blocks -> host blocks, swap preemption         (DMA to host)
     swap_in          host blocks -> device blocks, resuming it             (DMA to device)
-    sample           one token per logits row: temperature, top-k/p, min-p (sort + draw)
+    sampling_weights the nucleus: temperature, min-p, top-k, top-p per row  (sort + mask)
+    sample           one token per logits row: the inverse CDF of those weights (a draw)
     rejection_sample the accept / residual step of speculative decoding    (per row)
 
 Randomness enters every op as explicit uniforms, so two backends fed the same arrays can be
@@ -290,33 +291,41 @@ class Backend(abc.ABC):
     # ---------------------------------------------------------------- sampling
 
     @abc.abstractmethod
-    def sample(self, logits: Array, temperature: np.ndarray, top_k: np.ndarray,
-               top_p: np.ndarray, min_p: np.ndarray, uniforms: np.ndarray) -> Array:
-        """One token id per row of logits, each row with its own settings and uniform.
+    def sampling_weights(self, logits: Array, temperature: np.ndarray, top_k: np.ndarray,
+                         top_p: np.ndarray, min_p: np.ndarray) -> Array:
+        """THE NUCLEUS of refserve/sampling.py's docstring, row by row: the unnormalised
+        distribution a token is drawn from.
 
         Shapes and dtypes (B rows, V = vocabulary size; host or device arrays, the backend
         moves what it needs):
-            logits       [B, V]  float32  after the logits processors (refserve/sampling.py)
+            logits       [B, V]  float32  after the logits processors
             temperature  [B]     float64  > 0 (a greedy row never gets here: its token is
-                                          the argmax, taken by the Sampler)
+                                          the argmax)
             top_k        [B]     int64    0 (or >= V): off
             top_p        [B]     float32  1: off
             min_p        [B]     float32  0: off
-            uniforms     [B]     float64  u in [0, 1), one per row
-            returns      [B]     int64    token ids, on this backend's device
+            returns      [B, V]  float32  on this backend's device
 
-        Row b, with x = logits[b]: e = exp((x - max x) · (1/T)), with 1/T rounded once to
-        float32, is p up to a constant, and
-            min_p  keeps t with e[t] >= min_p                (p[t] >= min_p · max p)
-            top_k  keeps t with x[t] >= the k-th largest logit
-            top_p  keeps t iff, over the tokens min_p and top_k keep, the mass of those with
-                   a larger logit than t is < top_p of their total
-        each rule keeping the ties of its last kept token (equal logits stay or go
-        together; ties are decided on logits, never on rounded probabilities). Then
-            token = min{t : c_t > u · c_{V-1}},  c = running sum of e over the kept tokens
-                                                 in token-id order, in float64.
-        The reference is numpy_backend.sampling_weights / sample_tokens (a sort per row).
+        Row b, with x = logits[b]: e = exp((x - max x) · (1/T)), 1/T rounded once to
+        float32, on the tokens min_p, top_k and top_p keep, exactly 0 elsewhere. Ties are
+        decided on logits, never on rounded probabilities. The plain sampler (`sample`) and
+        speculative decoding's p and q (spec_decode/warping.py) both read these weights, so
+        both keep the same set.
         """
+
+    @abc.abstractmethod
+    def sample(self, logits: Array, temperature: np.ndarray, top_k: np.ndarray,
+               top_p: np.ndarray, min_p: np.ndarray, uniforms: np.ndarray) -> Array:
+        """One token id per row of logits: the inverse CDF of the row's `sampling_weights`
+        at its uniform.
+
+        Arguments as `sampling_weights`, plus uniforms [B] float64, u in [0, 1), one per
+        row; returns [B] int64 token ids on this backend's device:
+            token = min{t : c_t > u · c_{V-1}},  c = running sum of the weights in token-id
+                                                 order, in float64
+        so a token of weight 0 is never drawn.
+        """
+
     # ------------------------------------------------------ speculative decoding
 
     def rejection_sample(

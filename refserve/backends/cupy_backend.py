@@ -16,8 +16,8 @@ only turns those `Launch` records into `cupy.RawModule` calls, so it stays small
     rejection_sample rejection_sample_kernel: the speculative accept / residual step, tokens
                      bit-identical to the NumPy op for the same uniforms
     linear           x @ W.T, a cupy matmul (cuBLAS)
-    sample           the reference's sample_tokens with cupy (a sort per row on the device):
-                     only the token ids leave the GPU
+    sampling_weights the reference's sampling_weights / sample_tokens with cupy (a sort per
+    and sample       row on the device): only the token ids leave the GPU
 
 Nothing here reads a device value back to the host during a forward: every grid size comes
 from array shapes and the AttentionMetadata host scalars.
@@ -35,7 +35,7 @@ import numpy as np
 
 import refserve.backends.cuda_launch as cl
 from refserve.backends.base import Backend, check_swap, contiguous_runs
-from refserve.backends.numpy_backend import sample_tokens
+from refserve.backends.numpy_backend import sample_tokens, sampling_weights
 
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
@@ -241,6 +241,12 @@ class CupyBackend(Backend):
         return output, num_accepted
 
     # --------------------------------------------------------------------- sampling
+
+    def sampling_weights(self, logits, temperature, top_k, top_p, min_p):
+        """See Backend.sampling_weights: the reference's own code with cupy, on the device."""
+        xp = self.xp
+        return sampling_weights(xp, xp.asarray(logits), xp.asarray(temperature),
+                                xp.asarray(top_k), xp.asarray(top_p), xp.asarray(min_p))
 
     def sample(self, logits, temperature, top_k, top_p, min_p, uniforms):
         """See Backend.sample: the reference's own code (numpy_backend.sample_tokens, a sort

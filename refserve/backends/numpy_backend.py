@@ -8,7 +8,8 @@ This is the backend the course reads (`backend="numpy"`). Each op is its definit
     swap_out/in      host[dst] = cache[src]; cache[dst] = host[src]
     paged_attention  one sequence at a time: gather its keys and values through its block
                      table, then softmax(q · Kᵀ · scale + causal mask) · V
-    sample           sort each row, keep what min_p / top_k / top_p keep, inverse CDF
+    sampling_weights sort each row, keep what min_p / top_k / top_p keep
+    sample           the inverse CDF of those weights at the row's uniform
     rejection_sample refserve/spec_decode/rejection_sampler.py (Backend.rejection_sample)
 
 Nothing here exists for speed. The tuned CPU backend (cpu_backend.py, `backend="cpu"`, what
@@ -120,6 +121,10 @@ class NumpyBackend(Backend):
             out[start:end] = causal_attention(q[start:end], keys, values, scale)
         return out
 
+    def sampling_weights(self, logits, temperature, top_k, top_p, min_p) -> np.ndarray:
+        """The nucleus: `sampling_weights` below, with NumPy. See `Backend.sampling_weights`."""
+        return sampling_weights(np, logits, temperature, top_k, top_p, min_p)
+
     def sample(self, logits, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
         """One token per row: `sample_tokens` below, with NumPy. See `Backend.sample`."""
         return sample_tokens(np, logits, temperature, top_k, top_p, min_p, uniforms)
@@ -172,18 +177,13 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
 
 
 def sampling_weights(xp: Any, logits, temperature, top_k, top_p, min_p):
-    """Per row of `logits` [B, V], the unnormalised distribution a token is drawn from:
-    `exp((x - max x) · (1/T))` on the tokens min_p, top_k and top_p keep, 0 elsewhere. The
-    per-row arrays are `Backend.sample`'s. [B, V] float32, written against `xp` (numpy or
-    cupy), so the CuPy backend runs this same rule on the device.
+    """`Backend.sampling_weights` (the nucleus of refserve/sampling.py), written against
+    `xp` (numpy or cupy), so the CuPy backend runs this same code on the device.
 
     Every rule keeps a prefix of the row sorted largest first, so the rules are applied
-    there and the kept set is then "every logit >= the smallest kept one" (ties with the
-    last kept token stay):
-        min_p   keep e >= min_p, e = exp((x - max) / T) = p / max p
-        top_k   keep x >= the k-th largest x
-        top_p   renormalise over what is kept; keep a token while the mass ranked before it
-                is < top_p (the first token of a run of ties decides for the run)
+    there, and the kept set is then "every logit >= the smallest kept one": ties with the
+    last kept token stay, and in a run of ties the mass ranked before its first token
+    decides for the whole run.
     """
     x = logits.astype(xp.float32, copy=False)
     batch, vocab = x.shape
@@ -205,9 +205,8 @@ def sampling_weights(xp: Any, logits, temperature, top_k, top_p, min_p):
 
 
 def sample_tokens(xp: Any, logits, temperature, top_k, top_p, min_p, uniforms):
-    """One token id per row (int64 [B]): the inverse CDF of `sampling_weights` at the row's
-    uniform u, token = min{t : c_t > u · c_{V-1}} with c the running sum of the weights in
-    token-id order, in float64. A zero weight adds nothing to c, so it is never drawn."""
+    """`Backend.sample` written against `xp`: the inverse CDF of `sampling_weights` at each
+    row's uniform (int64 [B])."""
     weights = sampling_weights(xp, logits, temperature, top_k, top_p, min_p)
     cdf = xp.cumsum(weights.astype(xp.float64), axis=-1)
     target = xp.asarray(uniforms, dtype=xp.float64) * cdf[:, -1]

@@ -1,6 +1,6 @@
 """The proposal stage's interface: what every speculative decoding proposer is.
 
-The engine's first stage of a step (`LLMEngine.propose`, through speculation/speculator.py)
+The engine's first stage of a step (`LLMEngine.propose`, through spec_decode/speculator.py)
 asks its proposer for draft tokens for every running, decode-ready sequence
 (num_computed_tokens == num_tokens - 1: its next step would be a one-token decode):
 

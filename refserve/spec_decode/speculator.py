@@ -19,7 +19,7 @@ from refserve.scheduler.drafts import Proposals
 from refserve.scheduler.output import StepUpdate
 from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
-from refserve.speculation.proposer import Proposer
+from refserve.spec_decode.proposer import Proposer
 
 
 class Speculator:
