@@ -79,7 +79,7 @@ class LLMEngine(RequestIntake):
             proposer_cls, spec = resolve_proposer(spec, config)
         self.speculative_config = spec
         self.model_path = resolve_model_path(config.model, progress)
-        self.backend = get_backend(config.backend)
+        self.backend = get_backend(config.backend, enforce_eager=config.enforce_eager)
         # None means the backend's default token budget (config.py), resolved once, here.
         config, budget_source = resolve_token_budget(config, self.backend.name)
         self.config = config
@@ -117,7 +117,6 @@ class LLMEngine(RequestIntake):
         # Static batching's runner also computes its padding rows (static_runner.py).
         runner = StaticBatchRunner if config.batching == "static" else ModelRunner
         self.runner = runner(self.model, self.backend, num_blocks, self.block_size,
-                             enforce_eager=config.enforce_eager,
                              num_host_blocks=self.num_host_blocks)
         self.sampler = Sampler(self.backend)
         # Speculative decoding: the propose stage (None: every row samples one token).

@@ -38,8 +38,7 @@ from refserve.kv_cache.block_table import slot_mapping as compute_slots
 @dataclass
 class ModelInputs:
     """One step's flat batch. Arrays are host NumPy (printable); `attn` holds the device
-    copies of the attention arrays and the host scalars; `input_ids_device` etc. are the
-    device copies the forward reads (the same objects on the CPU backends).
+    copies of the attention arrays and the host scalars.
 
     row_order[i] is the index in `out.scheduled` of flat row i (decodes first).
     """
@@ -53,9 +52,6 @@ class ModelInputs:
     logits_indices: np.ndarray   # [R] int64, R = sum of num_logits, scheduler order
     row_order: np.ndarray        # [S] int
     attn: AttentionMetadata
-    input_ids_device: object = None
-    positions_device: object = None
-    logits_indices_device: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -103,16 +99,19 @@ def attention_metadata(slot_mapping, query_start_loc, context_lens, block_tables
     the device once, the host values computed once (decode rows are the first num_decodes)."""
     num_decodes = int((np.diff(query_start_loc) == 1).sum())
     return AttentionMetadata(
-        to_device(slot_mapping), to_device(query_start_loc), to_device(context_lens),
-        to_device(block_tables), num_decodes, int(context_lens[:num_decodes].max(initial=0)),
-        query_start_loc, context_lens, block_tables, len(context_lens))
+        slot_mapping=to_device(slot_mapping), query_start_loc=to_device(query_start_loc),
+        context_lens=to_device(context_lens), block_tables=to_device(block_tables),
+        num_seqs=len(context_lens), num_decodes=num_decodes,
+        max_decode_context_len=int(context_lens[:num_decodes].max(initial=0)),
+        query_start_loc_cpu=query_start_loc, context_lens_cpu=context_lens,
+        block_tables_cpu=block_tables)
 
 
 class ModelRunner:
     """Owns the model and its KV cache; prepares, copies and runs one scheduler step."""
 
     def __init__(self, model, backend, num_blocks: int, block_size: int,
-                 enforce_eager: bool = False, num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0) -> None:
         c = model.config
         self.model = model
         self.backend = backend
@@ -126,11 +125,6 @@ class ModelRunner:
         self.host_kv_caches = backend.allocate_host_kv_cache(
             c.num_hidden_layers, num_host_blocks, block_size, c.num_key_value_heads,
             c.head_dim, dtype=dtype) if num_host_blocks else None
-        # CUDA graphs for pure decode steps (refserve/backends/cuda_graphs.py), on backends
-        # that offer them (CuPy); None: every step runs the eager forward.
-        make_graphs = None if enforce_eager else getattr(backend, "make_decode_graphs", None)
-        self.decode_graphs = (make_graphs(model, self.kv_caches, block_size)
-                              if make_graphs is not None else None)
         self.time_in_forward = 0.0  # seconds inside model.forward (the rest is overhead)
 
     # ------------------------------------------------------------------ stage 1: prepare
@@ -166,12 +160,13 @@ class ModelRunner:
             np.array(a, dtype=np.int64) for a in (input_ids, positions, slots, logits_indices,
                                                   order))
         context_lens = np.array(context_lens, dtype=np.int32)
-        to_dev = self.backend.to_device
+        attn = attention_metadata(slots, query_start_loc, context_lens, block_tables,
+                                  self.backend.to_device)
         return ModelInputs(
-            input_ids, positions, slots, block_tables, context_lens, query_start_loc,
-            logits_indices, order,
-            attention_metadata(slots, query_start_loc, context_lens, block_tables, to_dev),
-            to_dev(input_ids), to_dev(positions), to_dev(logits_indices))
+            input_ids=input_ids, positions=positions, slot_mapping=slots,
+            block_tables=block_tables, context_lens=context_lens,
+            query_start_loc=query_start_loc, logits_indices=logits_indices, row_order=order,
+            attn=attn)
 
     # ------------------------------------------------------------------ stage 2: copy
     def copy_blocks(self, block_copies, swap_out=(), swap_in=()) -> None:
@@ -191,27 +186,19 @@ class ModelRunner:
                         op(k, v, host_k, host_v, pairs)
         if not len(block_copies):
             return
-        pairs = np.asarray(list(block_copies), dtype=np.int64).reshape(-1, 2)
-        if len(np.unique(pairs[:, 1])) != len(pairs):
-            raise ValueError(f"copy_blocks: a destination block appears twice in "
-                             f"{pairs.tolist()}; each CoW copy needs its own block")
-        src_to_dst = self.backend.to_device(pairs)
+        src_to_dst = self.backend.to_device(np.asarray(list(block_copies), dtype=np.int64))
         for k_cache, v_cache in self.kv_caches:
             self.backend.copy_blocks(k_cache, v_cache, src_to_dst)
 
     # ------------------------------------------------------------------ stage 3: forward
     def forward(self, inputs: ModelInputs) -> np.ndarray:
-        """One model forward over the prepared batch. Returns float32 logits on the host,
+        """One model forward over the prepared batch (`backend.forward`: on the CPU backends
+        the model's forward itself). Returns float32 logits on the host,
         [inputs.num_logits, vocab], rows in scheduler order. The only device->host copy of
         the step is this result."""
         if not len(inputs.input_ids):
             return np.zeros((0, self.model.config.vocab_size), dtype=np.float32)
         t0 = time.perf_counter()
-        graphs = self.decode_graphs
-        logits = graphs.run(inputs) if graphs is not None and graphs.can_run(inputs) else None
-        if logits is None:  # no graph for this batch, or its capture failed: eager
-            logits = self.model.forward(inputs.input_ids_device, inputs.positions_device,
-                                        inputs.attn, self.kv_caches, inputs.logits_indices_device)
-        logits = self.backend.to_numpy(logits)
+        logits = self.backend.to_numpy(self.backend.forward(self.model, inputs, self.kv_caches))
         self.time_in_forward += time.perf_counter() - t0
         return logits

@@ -44,21 +44,26 @@ def test_slot_out_of_range():
         table.slots(3, 2)
 
 
-def test_logical_blocks_of_range_and_replace():
+def test_replace_truncate_and_copy():
     table = BlockTable(4, [7, 2, 9])
-    assert list(table.logical_blocks_of_range(3, 5)) == [0, 1]
-    assert list(table.logical_blocks_of_range(4, 8)) == [1]
-    assert list(table.logical_blocks_of_range(8, 8)) == []
     assert table.replace(1, 11) == 2
     assert table.block_ids == [7, 11, 9]
     copy = table.copy()
     copy.append(3)
     assert len(table) == 3 and len(copy) == 4
+    assert copy.truncate(1) == [11, 9, 3] and copy.block_ids == [7]
+    assert table.block_ids == [7, 11, 9]
+    ids = table.block_ids
+    ids.append(5)                       # a copy: the table is unchanged
+    assert len(table) == 3
 
 
-def test_bad_block_size():
-    with pytest.raises(ValueError):
-        BlockTable(0)
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "16"])
+def test_bad_block_size(bad):
+    with pytest.raises(ValueError, match="block_size"):
+        BlockTable(bad)
+    with pytest.raises(ValueError, match="block_size"):
+        blocks_for_tokens(3, bad)
 
 
 def test_kv_cache_demo_prints_what_warmup_quotes(capsys):

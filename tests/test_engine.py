@@ -267,7 +267,7 @@ def test_gpu_pool_sized_from_total_memory(tiny_folder, monkeypatch):
         def total_device_memory(self):
             return 4_000_000
 
-    monkeypatch.setattr(engine_module, "get_backend", lambda name: FakeDevice())
+    monkeypatch.setattr(engine_module, "get_backend", lambda name, **options: FakeDevice())
     def pool(utilization):
         return LLMEngine(model=str(tiny_folder), block_size=4, max_num_batched_tokens=64,
                          gpu_memory_utilization=utilization, progress=False).num_blocks

@@ -87,12 +87,12 @@ def test_dtype_sizes_the_pool_and_the_cache_and_only_logits_are_upcast(tiny_fold
         def resolve_dtype(self, dtype):
             return np.dtype(np.float16)
 
-    monkeypatch.setattr(engine_module, "get_backend", lambda name: HalfBackend())
+    monkeypatch.setattr(engine_module, "get_backend", lambda name, **options: HalfBackend())
     memory = 1 << 18
     half = engine(tiny_folder, block_size=4, kv_cache_memory_bytes=memory, dtype="float16")
     assert half.num_blocks == memory // (4 * KV_BYTES_PER_TOKEN_F32 // 2)
     assert half.runner.kv_caches[0][0].dtype == np.float16
-    assert half.model.layers[0].w_qkv.dtype == np.float16
+    assert half.model.layers[0].attention.w_qkv.dtype == np.float16
     half.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
     out = half.scheduler.schedule()
     logits = half.runner.forward(half.runner.prepare(out))

@@ -4,6 +4,7 @@ The model's elementwise math (RMSNorm, RoPE, SiLU, residual adds) is written onc
 `backend.xp` (numpy or cupy). The ops below live behind this interface, because they are the
 ones a faster backend replaces (with kernels on a GPU, with tuned forms on a CPU):
 
+    forward          one model forward over a prepared step                (eager, or a graph)
     prepare_weight   a weight W [out, in] in the form `linear` takes       (once, at load)
     linear           x · Wᵀ: every dense product of the model              (a matmul)
     write_kv         scatter this step's K/V into their slots              (one scatter)
@@ -136,6 +137,17 @@ class Backend(abc.ABC):
             (self.xp.zeros(shape, dtype=dtype), self.xp.zeros(shape, dtype=dtype))
             for _ in range(num_layers)
         ]
+
+    # ------------------------------------------------------------ the model
+
+    @abc.abstractmethod
+    def forward(self, model, inputs, kv_caches: list[tuple[Array, Array]]) -> Array:
+        """One forward of `model` over a prepared step: `inputs` is ModelRunner.prepare's
+        ModelInputs (host arrays, and `inputs.attn` with the device copies of the attention
+        arrays). Returns the model's logits [inputs.num_logits, V] float32 on the device.
+        How the forward runs is the backend's choice: the CPU backends call model.forward
+        on the host arrays; the CuPy backend copies the inputs to the device, and replays a
+        CUDA graph of a whole decode step where it can (cuda_graphs.py)."""
 
     # ------------------------------------------------------------ dense products
 
@@ -371,25 +383,35 @@ class Backend(abc.ABC):
         return self.to_device(output_token_ids), self.to_device(num_accepted)
 
 
-def check_swap(cache: Any, host: np.ndarray, block_mapping: Any, to_host: bool) -> np.ndarray:
-    """`block_mapping` as a checked [N, 2] int64 host array for swap_out (to_host=True: rows
-    (device, host)) or swap_in (rows (host, device)). Raises ValueError for caches of
-    different block shapes or dtypes, a block id out of range, or a repeated destination
-    (two copies into one block: no order makes that meaningful)."""
-    if tuple(cache.shape[1:]) != tuple(host.shape[1:]) or np.dtype(cache.dtype) != host.dtype:
-        raise ValueError(f"swap: device blocks {tuple(cache.shape[1:])} {cache.dtype} and host "
-                         f"blocks {tuple(host.shape[1:])} {host.dtype} must have one layout")
-    pairs = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
-    device_col, host_col = (0, 1) if to_host else (1, 0)
-    for col, limit, name in ((device_col, cache.shape[0], "device"),
-                             (host_col, host.shape[0], "host")):
+def check_block_pairs(pairs: Any, num_src_blocks: int, num_dst_blocks: int, op: str,
+                      pools: tuple[str, str] = ("source", "destination")) -> np.ndarray:
+    """Block copies (copy_blocks, swap_out, swap_in) as a checked [N, 2] int64 host array of
+    rows (src, dst). Raises ValueError for a block id out of range or a repeated destination
+    (two copies into one block: no order makes that meaningful). The one check of both
+    rules: every backend's copy and swap ops call it. `pools` names the two columns."""
+    pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    for col, limit, name in ((0, num_src_blocks, pools[0]), (1, num_dst_blocks, pools[1])):
         if ((pairs[:, col] < 0) | (pairs[:, col] >= limit)).any():
-            raise ValueError(f"swap: {name} block ids must be in [0, {limit}), got "
+            raise ValueError(f"{op}: {name} block ids must be in [0, {limit}), got "
                              f"{pairs[:, col].tolist()}")
     dst = pairs[:, 1]
     if len(np.unique(dst)) != len(dst):
-        raise ValueError(f"swap: a destination block appears twice in {dst.tolist()}")
+        raise ValueError(f"{op}: a destination block appears twice in {dst.tolist()}")
     return pairs
+
+
+def check_swap(cache: Any, host: np.ndarray, block_mapping: Any, to_host: bool) -> np.ndarray:
+    """`block_mapping` as a checked [N, 2] int64 host array for swap_out (to_host=True: rows
+    (device, host)) or swap_in (rows (host, device)): both pools of one block layout, then
+    `check_block_pairs`."""
+    if tuple(cache.shape[1:]) != tuple(host.shape[1:]) or np.dtype(cache.dtype) != host.dtype:
+        raise ValueError(f"swap: device blocks {tuple(cache.shape[1:])} {cache.dtype} and host "
+                         f"blocks {tuple(host.shape[1:])} {host.dtype} must have one layout")
+    if to_host:
+        return check_block_pairs(block_mapping, cache.shape[0], host.shape[0], "swap_out",
+                                 ("device", "host"))
+    return check_block_pairs(block_mapping, host.shape[0], cache.shape[0], "swap_in",
+                             ("host", "device"))
 
 
 def contiguous_runs(pairs: np.ndarray) -> list[tuple[int, int, int]]:

@@ -2,6 +2,7 @@
 
 This is the backend the course reads (`backend="numpy"`). Each op is its definition in NumPy:
 
+    forward          model.forward(the step's arrays), eagerly
     linear           x @ W.T
     write_kv         k_slots[slot_mapping] = k                 (one scatter)
     copy_blocks      cache[dst] = cache[src]
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from refserve.backends.base import AttentionMetadata, Backend, check_swap
+from refserve.backends.base import AttentionMetadata, Backend, check_block_pairs, check_swap
 
 
 class NumpyBackend(Backend):
@@ -54,6 +55,13 @@ class NumpyBackend(Backend):
             return np.dtype(np.float32)
         raise ValueError(f"dtype={dtype!r}: the {self.name} backend computes in float32; use "
                          "dtype='float32' or the cupy backend")
+
+    # ------------------------------------------------------------ the model
+
+    def forward(self, model, inputs, kv_caches) -> np.ndarray:
+        """The model's forward on the step's arrays (host arrays are device arrays here)."""
+        return model.forward(inputs.input_ids, inputs.positions, inputs.attn, kv_caches,
+                             inputs.logits_indices)
 
     # ------------------------------------------------------------ dense products
 
@@ -80,11 +88,8 @@ class NumpyBackend(Backend):
         copies read the caches as they were before any write (a chain a->b, b->c copies the
         old b into c).
         """
-        pairs = np.asarray(src_to_dst, dtype=np.int64).reshape(-1, 2)
-        if len(pairs) == 0:
-            return
+        pairs = check_block_pairs(src_to_dst, len(k_cache), len(k_cache), "copy_blocks")
         src, dst = pairs[:, 0], pairs[:, 1]
-        assert len(np.unique(dst)) == len(dst), f"copy_blocks: duplicate destination in {dst}"
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
 

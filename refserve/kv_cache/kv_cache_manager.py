@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from refserve.config import PREFIX_CACHING_POLICIES
 from refserve.kv_cache import kv_checks
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
-from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens
+from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens, check_block_size
 from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.prefix_cache import HashChainCache, PrefixCache
 from refserve.kv_cache.radix_cache import RadixCache
@@ -78,8 +78,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True,
                  prefix_caching_policy: str = "hash") -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
+        check_block_size(block_size)
         if prefix_caching_policy not in PREFIX_CACHING_POLICIES:
             raise ValueError(f"prefix_caching_policy={prefix_caching_policy!r}: choose one "
                              f"of {', '.join(PREFIX_CACHING_POLICIES)}")
@@ -344,8 +343,7 @@ class KVCacheManager:
         keep = blocks_for_tokens(num_tokens, self.block_size)
         if len(table) <= keep:
             return []
-        dropped = table.block_ids[keep:]
-        self._tables[seq.seq_id] = BlockTable(self.block_size, table.array[:keep])
+        dropped = table.truncate(keep)
         self.prefix_cache.trim(seq.seq_id, keep, dropped)  # checks none of them is cached
         for block_id in reversed(dropped):  # tail first
             self.allocator.decref(block_id, to_front=True)

@@ -54,6 +54,7 @@ from collections.abc import Sequence as SequenceOf
 
 from refserve.kv_cache import kv_checks
 from refserve.kv_cache.block_allocator import BlockAllocator
+from refserve.kv_cache.block_table import check_block_size
 
 
 class PrefixCache:
@@ -61,8 +62,7 @@ class PrefixCache:
     every block is plain held or free."""
 
     def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
+        check_block_size(block_size)
         self.block_size = block_size
         self.allocator = allocator
 
