@@ -5,8 +5,8 @@
     logits = runner.forward(inputs)         # device: one model forward; logits to the host
 
 `prepare` is the whole translation. Each row `s` of `out.scheduled` computes the query tokens
-`(seq.token_ids + s.draft_token_ids)[s.start : s.start + s.num_tokens]`, and its last
-`s.num_logits` tokens need logits. Rows are laid out *decodes first* (q_len == 1, in
+`(seq.token_ids + s.draft_token_ids)[s.start : s.start + s.num_scheduled_tokens]`, and its
+last `s.num_logits` tokens need logits. Rows are laid out *decodes first* (q_len == 1, in
 scheduler order), then the others (prefill chunks, speculative verifies), and for each:
 
     positions        start, start+1, ..., start+q-1           (absolute positions)
@@ -134,7 +134,8 @@ class ModelRunner:
         (arrays moved to the device once, scalars computed on the host once). Raises
         IndexError on a position without a block."""
         rows = out.scheduled if rows is None else rows
-        order = sorted(range(len(rows)), key=lambda i: rows[i].num_tokens > 1)  # decodes first
+        # Decodes first: a row of one query token sorts before the others.
+        order = sorted(range(len(rows)), key=lambda i: rows[i].num_scheduled_tokens > 1)
         width = max([1] + [len(s.block_ids) for s in rows])
         block_tables = np.full((len(rows), width), PAD_BLOCK, dtype=np.int32)
         input_ids, positions, slots, context_lens = [], [], [], []
@@ -142,16 +143,17 @@ class ModelRunner:
             s = rows[i]
             block_tables[flat, :len(s.block_ids)] = s.block_ids
             # BEGIN EXERCISE runner_prepare: a row's query tokens, positions, slots, context_len
-            # (token_ids + drafts)[start:end]; a verify row's drafts follow its last token
-            input_ids += (s.seq.token_ids[s.start:] + list(s.draft_token_ids))[:s.num_tokens]
-            positions += range(s.start, s.start + s.num_tokens)
+            # (token_ids + drafts)[start:start + n]; a verify row's drafts follow its last token
+            n = s.num_scheduled_tokens
+            input_ids += (s.seq.token_ids[s.start:] + list(s.draft_token_ids))[:n]
+            positions += range(s.start, s.start + n)
             # The row's own table, not the padded row: a position without a block raises
             # IndexError instead of turning PAD_BLOCK into a negative slot.
-            slots += compute_slots(s.block_ids, positions[-s.num_tokens:],
-                                   self.block_size).tolist()
-            context_lens.append(s.start + s.num_tokens)  # keys visible after the writes
+            slots += compute_slots(s.block_ids, positions[-n:], self.block_size).tolist()
+            context_lens.append(s.start + n)  # keys visible after the writes
             # END EXERCISE
-        query_start_loc = np.cumsum([0] + [rows[i].num_tokens for i in order], dtype=np.int32)
+        query_start_loc = np.cumsum([0] + [rows[i].num_scheduled_tokens for i in order],
+                                    dtype=np.int32)
         row_end = dict(zip(order, query_start_loc[1:].tolist()))  # one past a row's last token
         # Logits rows in scheduler order: each row's last num_logits tokens.
         logits_indices = [t for i, s in enumerate(rows)

@@ -47,7 +47,7 @@ def all_finishing_sites() -> dict[str, list[str]]:
 
 def test_a_sequence_finishes_only_in_update_retire_or_abort():
     assert all_finishing_sites() == {
-        "scheduler/intake.py": ["abort"], "scheduler/scheduler.py": ["_retire", "update"]}
+        "scheduler/scheduler.py": ["_retire", "abort", "update"]}
 
 
 def test_the_checker_sees_a_second_retirement_path():

@@ -17,7 +17,7 @@ VOCAB = 97
 
 
 def rows_of(out):
-    return (tuple((row.seq.request_id, row.start, row.num_tokens, row.num_logits)
+    return (tuple((row.seq.request_id, row.start, row.num_scheduled_tokens, row.num_logits)
                   for row in out.scheduled),
             tuple(sorted(out.preempted)))
 

@@ -1,8 +1,8 @@
 """The KV-cache manager: the one object the scheduler asks for KV-cache space.
 
 It owns the `BlockAllocator` (physical blocks and ref counts), one `BlockTable` per sequence
-that holds blocks, and the prefix cache in use (prefix_cache.py: the hash chain, the radix
-tree, or nothing when prefix caching is off). The backend never sees any of this: it only
+that holds blocks, and the prefix cache in use (prefix_cache.py's interface: the hash chain,
+the radix tree, or nothing when prefix caching is off). The backend never sees any of this: it only
 receives `slot_mapping`, `block_tables` and the copy-on-write pairs.
 
 Who writes what. The manager only *reads* `seq.num_computed_tokens` and `seq.token_ids`; it
@@ -56,7 +56,8 @@ from refserve.kv_cache import kv_checks
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
 from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens, check_block_size
 from refserve.kv_cache.host_pool import HostBlockPool
-from refserve.kv_cache.prefix_cache import HashChainCache, PrefixCache
+from refserve.kv_cache.hash_chain import HashChainCache
+from refserve.kv_cache.prefix_cache import PrefixCache
 from refserve.kv_cache.radix_cache import RadixCache
 
 if TYPE_CHECKING:
@@ -111,9 +112,8 @@ class KVCacheManager:
 
     @property
     def num_held_blocks(self) -> int:
-        """Blocks some block table holds (hash: ref count > 0; radix: the tree's own
-        reference on an evictable block does not count)."""
-        return self.prefix_cache.num_held_blocks
+        """Blocks some block table holds: what evictable and free blocks leave."""
+        return self.num_blocks - self.num_evictable_blocks - self.num_free_blocks
 
     @property
     def num_evictable_blocks(self) -> int:

@@ -118,12 +118,9 @@ class RadixCache(PrefixCache):
         return self._num_evictable
 
     @property
-    def num_held_blocks(self) -> int:
-        """The tree's own reference on an evictable block does not count."""
-        return self.allocator.num_held_blocks - self._num_evictable
-
-    @property
     def num_free_blocks(self) -> int:
+        """The allocator's available blocks: the tree's own reference keeps every cached
+        block out of that queue."""
         return self.allocator.num_available_blocks
 
     def __len__(self) -> int:

@@ -51,8 +51,8 @@ class StaticScheduler(Scheduler):
             if budget == 0 or seq.num_computed_tokens == 0:
                 continue
             out.padding.append(ScheduledSequence(
-                seq, 1, seq.num_computed_tokens - 1, num_logits=0,
-                block_ids=kv.get_block_ids(seq.seq_id)))  # a copy already
+                seq=seq, start=seq.num_computed_tokens - 1, num_scheduled_tokens=1,
+                num_logits=0, block_ids=kv.get_block_ids(seq.seq_id)))  # a copy already
             budget -= 1
         return self._end_step(out)
 

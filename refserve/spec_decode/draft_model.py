@@ -213,8 +213,8 @@ class DraftModelProposer(Proposer):
                         self._drop(seqs[i].seq_id)
                     continue
                 out.scheduled.append(ScheduledSequence(
-                    shadow, n, shadow.num_computed_tokens, num_logits=1,
-                    block_ids=kv.get_block_ids(shadow.seq_id)))
+                    seq=shadow, start=shadow.num_computed_tokens, num_scheduled_tokens=n,
+                    num_logits=1, block_ids=kv.get_block_ids(shadow.seq_id)))
                 rows.append(i)
             if not rows:
                 break
