@@ -328,7 +328,8 @@ def test_chunked_prefill_interleaves_with_decodes():
         out, _ = step(sched, runner)
         assert [row.seq for row in out.scheduled] == [a, b]
         assert out.scheduled[0].kind == "decode" and out.scheduled[0].num_scheduled_tokens == 1
-        rows.append((out.scheduled[1].start, out.scheduled[1].num_scheduled_tokens, out.scheduled[1].kind))
+        second = out.scheduled[1]
+        rows.append((second.start, second.num_scheduled_tokens, second.kind))
         assert out.num_batched_tokens <= 32
     assert rows == [(0, 31, "chunk"), (31, 31, "chunk"), (62, 31, "chunk"), (93, 7, "prefill")]
     assert b.num_output_tokens == 1 and b.num_computed_tokens == 100

@@ -15,8 +15,8 @@ import sys
 
 from refserve.kv_cache.block_allocator import BlockAllocator
 from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens
-from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.kv_cache.hash_chain import HashChainCache
+from refserve.kv_cache.kv_cache_manager import KVCacheManager
 
 
 def block_table() -> None:

@@ -55,8 +55,8 @@ from refserve.config import PREFIX_CACHING_POLICIES
 from refserve.kv_cache import kv_checks
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
 from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens, check_block_size
-from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.hash_chain import HashChainCache
+from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.prefix_cache import PrefixCache
 from refserve.kv_cache.radix_cache import RadixCache
 

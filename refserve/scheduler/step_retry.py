@@ -2,11 +2,11 @@
 
 If a stage after `schedule()` fails (the forward or sampling raised), `update()` never runs
 for that output. Nothing was computed, and the next `schedule()` plans the same work again
-(`Scheduler._begin_step`). The sequences the failed step admitted computed nothing: they go back to the head
-of the waiting queue and give their blocks back (their prefix-cache hits are found again),
-unless they came back from swap, whose KV lives on their device blocks now. The others keep
-their blocks. The failed step's copies may not have run, so they are carried over, but only
-while their destination is still held:
+(`Scheduler._begin_step`). The sequences the failed step admitted computed nothing: they go
+back to the head of the waiting queue and give their blocks back (their prefix-cache hits
+are found again), unless they came back from swap, whose KV lives on their device blocks
+now. The others keep their blocks. The failed step's copies may not have run, so they are
+carried over, but only while their destination is still held:
 
     copy-on-write (src, dst)   while ref_count(dst) > 0 in the device pool
     swap-out (device, host)    while the host block is still held by a host table
