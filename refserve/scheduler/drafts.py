@@ -58,6 +58,7 @@ class Proposal:
 
 
 Proposals = dict  # seq_id -> Proposal: one step's drafts, the propose stage's result
+NO_PROPOSALS: Proposals = {}  # a step without speculative decoding
 
 
 def drafts_that_fit(num_drafts: int, real_left: int, budget: int) -> int:

@@ -18,7 +18,7 @@ Printing a `SchedulerOutput` shows the step as a table (the notebooks do exactly
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from refserve.kv_cache.kv_cache_manager import BlockCounts
 
@@ -26,6 +26,16 @@ if TYPE_CHECKING:
     import numpy as np
 
     from refserve.sequence import Sequence
+
+
+class RowPlan(NamedTuple):
+    """A sequence's next row as `Scheduler._plan_row` plans it, before its slots are
+    allocated (the `ScheduledSequence` it becomes is below)."""
+
+    start: int                    # first position computed (prefix-cache hits skipped)
+    num_scheduled_tokens: int     # query tokens, drafts included
+    computed_blocks: list[int]    # prefix-cache hit blocks to attach (first allocation)
+    drafts: tuple[int, ...]       # the drafts the row verifies after its real tokens
 
 
 @dataclass

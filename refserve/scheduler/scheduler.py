@@ -12,21 +12,19 @@ next query tokens. `schedule()` does, in this order:
              1 + k for a verify. Its KV slots come from `kv.allocate_slots`.
     PREEMPT  while allocate_slots(...) is None (the pool is short): a verify row first drops
              its drafts; then the LAST running sequence is preempted: the newest
-             ("priority": the least urgent, newest among equals), never one already served
-             this step. By recompute: its blocks are freed and it goes back to the HEAD of
-             the waiting queue with its tokens kept, to be prefilled again. By swap
-             (preemption_mode="swap", swapping.py): its KV goes to the host pool and comes
-             back on readmission. The newest has the least work to lose and arrived last,
-             so the oldest requests keep progressing.
+             ("priority": the least urgent), never one already served this step. Its blocks
+             are released and it waits at the HEAD of the queue with its tokens kept: by
+             recompute its KV is forgotten and prefilled again; by swap
+             (preemption_mode="swap", swapping.py) it goes to the host pool and comes back.
+             The newest has the least work to lose, so the oldest requests keep progressing.
     ADMIT    waiting sequences in the policy's order (fcfs: the queue as it stands), while
              the seats (max_num_seqs), the token budget (max_num_batched_tokens) and the
              pool allow. The first that does not fit stops admission: nobody skips ahead
              except by the policy's order. Admission never preempts, and a step that had to
              preempt admits nobody (the pool just proved short).
 
-The schedule above is vLLM's mixed one (enable_chunked_prefill=True): the decodes go first
-and prefill chunks fill what is left of the budget. vLLM V0's prefill-first schedule is
-prefill_first.py's subclass.
+This is vLLM's mixed schedule (enable_chunked_prefill=True): decodes first, prefill chunks
+in what is left of the budget; vLLM V0's prefill-first one is prefill_first.py's subclass.
 
 `update()` then applies the computed step (UPDATE) and RETIRES finished sequences, which
 give their seats and blocks back in the same step, so the next `schedule()` refills them.
@@ -41,42 +39,31 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Mapping
-from typing import NamedTuple
 
 from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.scheduler.drafts import Proposal, count_verified, drafts_that_fit
+from refserve.scheduler.drafts import NO_PROPOSALS, Proposal, count_verified, drafts_that_fit
 from refserve.scheduler.fits import check_fits, check_scheduler_args
-from refserve.scheduler.output import SampledTokens, ScheduledSequence, SchedulerOutput, StepUpdate
+from refserve.scheduler.output import (
+    RowPlan,
+    SampledTokens,
+    ScheduledSequence,
+    SchedulerOutput,
+    StepUpdate,
+)
 from refserve.scheduler.scheduling_policy import SchedulingPolicy, make_policy
-from refserve.scheduler.step_retry import admissions_to_undo, carry_over, last_per_destination
+from refserve.scheduler.step_retry import admissions_to_undo, carry_over
 from refserve.scheduler.swapping import Swapper
 from refserve.sequence import Sequence, SequenceStatus, append_tokens
 
-NO_PROPOSALS: Mapping[int, Proposal] = {}
-
-
-class RowPlan(NamedTuple):
-    """A sequence's next row, before its slots are allocated."""
-
-    start: int                    # first position computed (prefix-cache hits skipped)
-    num_scheduled_tokens: int     # query tokens, drafts included
-    computed_blocks: list[int]    # prefix-cache hit blocks to attach (first allocation)
-    drafts: tuple[int, ...]       # the drafts the row verifies after its real tokens
-
 
 class Scheduler:
-    """Continuous batching (see the module docstring).
-
-    Invariants between calls:
-      * `waiting` (FIFO, head first) holds WAITING sequences; none of them holds blocks.
-      * `running` holds RUNNING sequences in budget order (oldest first; "priority": most
-        urgent first), so its last is the preemption victim.
-      * seats: the sum of seq.num_seats over `running` is <= max_num_seqs (a parent of an
-        n > 1 request that has not forked yet holds n seats); token budget: every step's
-        query tokens sum to <= max_num_batched_tokens.
-      * finished sequences are in neither queue (static batching keeps them in `padding`
-        until their batch ends).
+    """Continuous batching (see the module docstring). Invariants between calls:
+      * `waiting` (head first) holds WAITING sequences, none holding blocks; `running`
+        holds RUNNING ones in ADVANCE order, so its last is the preemption victim;
+        finished ones are in neither (static batching keeps them in `padding`).
+      * seats: sum of seq.num_seats over `running` <= max_num_seqs (a parent of an n > 1
+        request holds n until it forks); each step's query tokens <= max_num_batched_tokens.
     """
 
     batching = "continuous"
@@ -100,7 +87,6 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = (scheduling_policy if isinstance(scheduling_policy, SchedulingPolicy)
                        else make_policy(scheduling_policy))
-        self.preemption_mode = preemption_mode
         self.swapper = Swapper(host_pool, kv_cache_manager) if host_pool is not None else None
 
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -108,17 +94,13 @@ class Scheduler:
         self._by_id: dict[int, Sequence] = {}  # every unfinished sequence
         self._pending: SchedulerOutput | None = None  # scheduled, not yet updated
         self._riders: dict[int, list[Sequence]] = {}  # parent id -> children forked mid-step
-        # Sequence ids are per scheduler (so per engine): re-running a notebook cell or a
-        # test gives the same ids.
-        self._seq_ids = itertools.count()
+        self._seq_ids = itertools.count()  # per scheduler: a rerun gives the same ids
 
         self.num_steps = 0
         self.slot_steps_used = 0    # slot-steps: refserve/metrics.py
         self.slot_steps_wasted = 0
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed tokens whose KV recompute preemption dropped
-
-    # ---- queries ------------------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
@@ -142,8 +124,8 @@ class Scheduler:
     # ---- sequences in and out, from outside a step ----------------------------------------
 
     def add_sequence(self, seq: Sequence) -> None:
-        """Queue a new sequence at the tail of `waiting`; give it an id if it has none.
-        Raises ValueError if it could never run (`check_fits`)."""
+        """Queue a new sequence at the tail of `waiting`, with an id if it has none.
+        ValueError if it could never run (fits.py)."""
         if seq.seq_id is not None and seq.seq_id in self._by_id:
             raise ValueError(f"sequence {seq.seq_id} is already scheduled")
         if seq.status is not SequenceStatus.WAITING:
@@ -156,10 +138,7 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int, num_seats: int = 1) -> None:
         """Raise ValueError if a prompt could never run here (fits.py)."""
-        kv = self.kv_cache_manager
-        check_fits(num_prompt_tokens, num_seats, max_model_len=self.max_model_len,
-                   max_num_seqs=self.max_num_seqs, num_blocks=kv.num_blocks,
-                   block_size=kv.block_size)
+        check_fits(self, num_prompt_tokens, num_seats)
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Stop a waiting, preempted or running sequence now; its blocks are freed at once.
@@ -178,7 +157,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED_ABORTED
         return seq
 
-    # ---- one step -----------------------------------------------------------------------
+    # ---- one step: schedule ------------------------------------------------------------
 
     def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
         """One step's decision: ADVANCE running sequences (preempting the newest while the
@@ -272,8 +251,7 @@ class Scheduler:
 
     def _allocate_admitted(self, seq: Sequence, plan: RowPlan, out: SchedulerOutput
                            ) -> list[tuple[int, int]] | None:
-        """allocate_slots for a sequence being admitted; one swapped out first gets its KV
-        back (swapping.py). None: the pool is short, nothing changed."""
+        """allocate_slots, a swapped-out sequence's KV brought back first (swapping.py)."""
         if self._is_swapped_out(seq):
             return self.swapper.swap_in(seq, plan.num_scheduled_tokens, out)
         return self.kv_cache_manager.allocate_slots(seq, plan.num_scheduled_tokens,
@@ -281,10 +259,8 @@ class Scheduler:
 
     def _add_row(self, seq: Sequence, plan: RowPlan, copies: list[tuple[int, int]],
                  out: SchedulerOutput) -> None:
-        """Record seq's row (its slots are allocated). A row computes positions [start, end)
-        of token_ids + drafts and needs logits for those at or after the last real token,
-        once it reaches the end of token_ids + drafts: 1 for a decode or the last prefill
-        chunk, k + 1 for a verify of k drafts, 0 for a prefill chunk."""
+        """Record seq's row, its slots allocated. Its num_logits (output.py): the positions
+        at or after the last real token, once the row reaches the end of token_ids + drafts."""
         end = plan.start + plan.num_scheduled_tokens
         last = seq.num_tokens + len(plan.drafts)
         num_logits = end - max(plan.start, seq.num_tokens - 1) if end == last else 0
@@ -300,9 +276,8 @@ class Scheduler:
         return self.swapper is not None and self.swapper.is_swapped_out(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """PREEMPT `seq` (module docstring): its blocks are released and it waits at the
-        HEAD of the queue. By recompute its computed KV is forgotten; by swap (when the host
-        pool has room) the KV is copied to the host pool first and kept (swapping.py)."""
+        """PREEMPT `seq` (module docstring); swap falls back to recompute when the host pool
+        is full."""
         self.running.remove(seq)
         kv = self.kv_cache_manager
         if self.swapper is None or not kv.has_sequence(seq.seq_id) or not self.swapper.defer(seq):
@@ -318,9 +293,7 @@ class Scheduler:
 
     def _begin_step(self) -> SchedulerOutput:
         """A new output. If the last step was never applied (its forward or sampling
-        failed), this step plans its work again (step_retry.py): the sequences it admitted
-        that computed nothing wait again at the head of the queue, and its copies whose
-        destination is still held are carried into this step."""
+        failed), this step plans its work again (step_retry.py)."""
         out = SchedulerOutput(step=self.num_steps, max_num_seqs=self.max_num_seqs,
                               max_num_batched_tokens=self.max_num_batched_tokens)
         failed, self._pending, self._riders = self._pending, None, {}
@@ -335,19 +308,16 @@ class Scheduler:
         return out
 
     def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The output completed (swaps, counts, the pool), checked and counted."""
         if self.swapper is not None:
             self.swapper.flush(out)  # this step's victims, in one swap_out
-            # A carried copy whose destination this step reused is moot: the last wins.
-            out.swap_out[:] = last_per_destination(out.swap_out)
-            out.swap_in[:] = last_per_destination(out.swap_in)
         out.blocks = self.kv_cache_manager.block_counts()
         if not out.scheduled and self.has_unfinished():
             # Cannot happen while add_sequence keeps every prompt within the pool; fail
             # loudly rather than let a caller's `while has_unfinished()` spin forever.
             raise RuntimeError(
                 f"the scheduler could schedule nothing with {self.num_waiting} waiting and "
-                f"{self.num_running} running sequences ({out.blocks.free + out.blocks.evictable}"
-                f" of {out.blocks.total} blocks free or evictable)")
+                f"{self.num_running} running sequences and {out.blocks} in the pool")
         out.num_batched_tokens = sum(row.num_scheduled_tokens
                                      for row in out.scheduled + out.padding)
         out.num_seats_used = self.num_seats_used
@@ -360,28 +330,21 @@ class Scheduler:
             self._pending = out
         return out
 
-    # ---- after the forward --------------------------------------------------------------
+    # ---- one step: update, after the forward ---------------------------------------------
 
     def update(self, output: SchedulerOutput,
                sampled: SampledTokens | dict[int, list[int]]) -> StepUpdate:
-        """UPDATE: apply one computed step; return what it decided (a `StepUpdate`).
-
-        `output` must be the latest `schedule()` result (one never applied is abandoned by
-        the next `schedule()`, which plans its work again). `sampled` is a `SampledTokens`
-        (or just its `token_ids` dict). First the children of parallel-sampling parents
-        are forked (`sampled.children`, `fork` below), each with its own generator and
-        first token. Then, for each row's sequence (and the children riding its row):
+        """UPDATE: apply `output`, the latest `schedule()` result, with `sampled` (or its
+        `token_ids` dict); return what it decided. First parallel-sampling children are
+        forked (`fork`); then each row's sequence and riders, unless aborted since:
 
             append the sampled token(s) one by one under the stop rules (sequence.py);
                 a stop inside a verify row's run drops the tokens after it
             num_computed_tokens = row.end, after a sampling row at most num_tokens - 1: the
                 last appended token has no K/V yet, and neither have the positions past
-                it (rejected drafts, tokens after a stop), whose blocks go back to the
-                pool (kv.trim)
-
-        then newly full blocks go to the prefix cache, and a finished sequence is RETIRED:
-        it leaves `running` and releases its blocks now (static batching: at batch end).
-        Sequences aborted after `schedule()` are skipped.
+                it (rejected drafts, tokens after a stop: drafts.py rolls them back)
+            newly full blocks go to the prefix cache; a finished sequence is RETIRED: it
+                leaves `running` and releases its blocks now (static batching: later)
         """
         if output.scheduled and output is not self._pending:
             raise ValueError(f"update() got step {output.step}, which is not the output of "
@@ -436,11 +399,10 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Parallel sampling: `child` (made by `parent.fork()`) shares every block of the
-        running `parent` (copy-on-write makes a shared block private on the first write)
-        and runs right after it and its earlier children; the parent's n seats become 1 +
-        one per child. Forked between `schedule()` and `update()` (as `update` does with
-        `SampledTokens.children`), the child rides that step (`_riders`): `update` advances
-        it like the parent. Everything is checked before anything changes."""
+        running `parent` (copy-on-write) and runs right after it and its earlier children;
+        the parent's n seats become 1 + one per child. Forked between `schedule()` and
+        `update()` (as `update` forks `SampledTokens.children`), the child rides that step
+        (`_riders`). Everything is checked before anything changes."""
         if self._by_id.get(parent.seq_id) is not parent or parent not in self.running:
             raise ValueError(f"fork: parent {parent.seq_id} is not running")
         if not self.kv_cache_manager.has_sequence(parent.seq_id):

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 
 from refserve.capacity import blocks_for_tokens
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.scheduler.drafts import Proposal
+from refserve.scheduler.drafts import NO_PROPOSALS, Proposal
 from refserve.scheduler.output import ScheduledSequence, SchedulerOutput
-from refserve.scheduler.scheduler import NO_PROPOSALS, Scheduler
+from refserve.scheduler.scheduler import Scheduler
 from refserve.sequence import Sequence, SequenceStatus
 
 
