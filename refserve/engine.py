@@ -37,6 +37,7 @@ from refserve.config import EngineConfig
 from refserve.engine_setup import plan_kv_pool, resolve_token_budget, startup_lines
 from refserve.kv_cache import KVCacheManager
 from refserve.kv_cache.host_pool import HostBlockPool
+from refserve.logprobs import sampled_logprobs
 from refserve.model_runner import ModelRunner
 from refserve.models.loader import load_tokenizer, resolve_model_path
 from refserve.output_processor import RequestState, make_outputs
@@ -272,11 +273,10 @@ class LLMEngine(RequestIntake):
                        output_token_ids=[s.output_token_ids for s in seqs],
                        eos_token_id=self.eos_token_id,
                        bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
+        tokens = self.sampler.sample(logits, params, generators, **context)
         if all(p.logprobs is None for p in params):
-            return self.sampler.sample(logits, params, generators, **context), [None] * len(seqs)
-        out = self.sampler.sample_with_logprobs(logits, params, generators,
-                                                decode=self.decode_token, **context)
-        return out.token_ids, out.logprobs
+            return tokens, [None] * len(seqs)
+        return tokens, sampled_logprobs(logits, tokens, params, self.decode_token)
 
     def stats(self) -> dict:
         """The engine's counters since start-up (LLM.generate reports one call's share)."""

@@ -26,8 +26,9 @@ The nucleus has one implementation per backend (the reference: a sort per row,
 numpy_backend.py), and everything that samples calls it: this Sampler through
 `backend.sample`, and speculative decoding's p and q through `backend.sampling_weights`
 (spec_decode/warping.py), so a verify row keeps exactly the set a plain row keeps. This
-file is the control around the draw: the processors, greedy rows' argmax, one uniform per
-sampled row from the row's generator, the per-row settings as arrays, and logprobs.
+file is the control around the draw: the processors (logits_processors.py), greedy rows'
+argmax, one uniform per sampled row from the row's generator, the per-row settings as
+arrays. The sampled token's logprobs are logprobs.py's (`sampled_logprobs`).
 
 Randomness is per sequence: each sequence owns a `numpy.random.Generator` seeded from its
 request's seed (child i of a parallel-sampling request uses seed + i) and draws exactly one
@@ -38,21 +39,13 @@ its uniform, so a seeded request produces the same tokens whatever else is in th
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
 
 import numpy as np
 
-from refserve.logits_processors import (
-    apply_allowed_token_ids,
-    apply_bad_words,
-    apply_logit_bias,
-    apply_min_tokens,
-    apply_penalties,
-)
-from refserve.logprobs import Logprob, compute_logprobs
+from refserve.logits_processors import apply_processors
 from refserve.sampling_params import GREEDY_BELOW, SamplingParams
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingParams", "make_generator", "draw_arguments",
+__all__ = ["Sampler", "SamplingParams", "make_generator", "draw_arguments",
            "nucleus_arguments", "GREEDY_BELOW"]
 
 
@@ -81,15 +74,6 @@ def draw_arguments(params: SequenceOf[SamplingParams],
     return {**nucleus_arguments(params), "uniforms": uniforms}
 
 
-@dataclass
-class SamplerOutput:
-    """What `Sampler.sample_with_logprobs` returns: one token per row, and per row either
-    None (logprobs not requested) or vLLM's {token_id: Logprob} for the sampled token."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]
-
-
 class Sampler:
     """Draws one token per row of logits, each row with its own sequence's params and
     generator, the draw itself by `backend.sample` (see the module docstring)."""
@@ -116,8 +100,8 @@ class Sampler:
                              f"{x.shape} for {len(params)} params")
         processed = [i for i, p in enumerate(params) if p.rewrites_logits or p.min_tokens]
         if processed:  # on a copy: the caller's logits stay as they are
-            x = self.process_logits(x, params, processed, prompt_token_ids, output_token_ids,
-                                    eos_token_id, bad_words_token_ids)
+            x = apply_processors(x, params, processed, prompt_token_ids, output_token_ids,
+                                 eos_token_id, bad_words_token_ids)
         tokens = np.zeros(len(x), dtype=np.int64)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
@@ -128,47 +112,3 @@ class Sampler:
                 [params[i] for i in rows], [generators[i] for i in rows]))
             tokens[rows] = self.backend.to_numpy(drawn)
         return tokens.tolist()
-
-    def sample_with_logprobs(self, logits: np.ndarray, params: SequenceOf[SamplingParams],
-                             generators: SequenceOf[np.random.Generator], *,
-                             decode=None, **kwargs) -> SamplerOutput:
-        """`sample`, plus for rows whose params ask for `logprobs=N` the top-N logprobs of
-        the raw logits and the sampled token's (see logprobs.py); `decode(token_id) -> str`,
-        when given, fills `Logprob.decoded_token`."""
-        tokens = self.sample(logits, params, generators, **kwargs)
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(tokens)
-        if asked:
-            found = compute_logprobs(np.asarray(logits)[asked], [tokens[i] for i in asked],
-                                     [params[i].logprobs for i in asked], decode)
-            for i, d in zip(asked, found):
-                logprobs[i] = d
-        return SamplerOutput(tokens, logprobs)
-
-    def process_logits(self, x, params, rows, prompt_token_ids=None, output_token_ids=None,
-                       eos_token_id=None, bad_words_token_ids=None) -> np.ndarray:
-        """A copy of the float32 logits `x` [N, V] after the logits processors (in
-        logits_processors.py's order) of `rows`, the rows whose params use one."""
-        x = x.copy()
-        for i in rows:
-            p = params[i]
-            needs_output = p.has_penalties or p.min_tokens or p.bad_words
-            if (needs_output and output_token_ids is None) or (
-                    p.repetition_penalty != 1.0 and prompt_token_ids is None) or (
-                    p.bad_words and bad_words_token_ids is None):
-                raise ValueError("Sampler: SamplingParams with penalties, min_tokens or "
-                                 "bad_words need output_token_ids (and prompt_token_ids for "
-                                 "repetition_penalty, bad_words_token_ids for bad_words), "
-                                 "one list per row")
-            if p.allowed_token_ids is not None:
-                apply_allowed_token_ids(x[i], p)
-            if p.bad_words:
-                apply_bad_words(x[i], bad_words_token_ids[i], output_token_ids[i])
-            if p.min_tokens:
-                apply_min_tokens(x[i], p, len(output_token_ids[i]), eos_token_id)
-            if p.logit_bias:
-                apply_logit_bias(x[i], p)
-            if p.has_penalties:
-                apply_penalties(x[i], p, prompt_token_ids[i] if prompt_token_ids else [],
-                                output_token_ids[i])
-        return x

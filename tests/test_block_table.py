@@ -3,7 +3,7 @@
 import pytest
 
 from refserve.kv_cache import BlockTable
-from refserve.kv_cache.block_table import blocks_for_tokens
+from refserve.kv_cache.block_table import blocks_for_tokens, slot_mapping
 
 
 def test_1000_tokens_at_block_size_16():
@@ -24,24 +24,20 @@ def test_append_rule_16th_token_no_new_block_17th_takes_one():
 
 
 def test_slot_formula():
-    table = BlockTable(4, [7, 2, 9])
+    ids = [7, 2, 9]
     for position in range(12):
-        expected = table[position // 4] * 4 + position % 4
-        assert table.slot(position) == expected
-    assert table.slot(5) == 9
-    assert table.slots(3, 9) == [31, 8, 9, 10, 11, 36]
-    assert table.slots(4, 4) == []
-    assert table.slots(0, 12) == [table.slot(p) for p in range(12)]
+        expected = ids[position // 4] * 4 + position % 4
+        assert slot_mapping(ids, position, 4) == expected
+    assert slot_mapping(ids, 5, 4) == 9
+    assert slot_mapping(ids, range(3, 9), 4).tolist() == [31, 8, 9, 10, 11, 36]
+    assert slot_mapping(ids, [], 4).tolist() == []
 
 
-def test_slot_out_of_range():
-    table = BlockTable(4, [7])
+def test_a_position_without_a_block_has_no_slot():
     with pytest.raises(IndexError):
-        table.slot(4)
+        slot_mapping([7], 4, 4)
     with pytest.raises(IndexError):
-        table.slots(2, 5)
-    with pytest.raises(ValueError):
-        table.slots(3, 2)
+        slot_mapping([7], range(2, 5), 4)
 
 
 def test_replace_truncate_and_copy():

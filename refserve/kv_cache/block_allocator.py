@@ -47,8 +47,8 @@ class NoFreeBlocksError(RuntimeError):
 class BlockAllocator:
     """Fixed pool of physical block ids 0 .. num_blocks-1 with reference counts.
 
-    Complexity: `allocate`, `decref`, `incref`, `ref_count`, `is_available` and
-    `num_available_blocks` are all O(1).
+    Complexity: `allocate`, `decref`, `incref`, `ref_count` and `num_available_blocks` are
+    all O(1).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -74,10 +74,6 @@ class BlockAllocator:
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_counts[block_id]
-
-    def is_available(self, block_id: int) -> bool:
-        self._check_id(block_id)
-        return block_id in self._available
 
     def available_block_ids(self) -> Iterator[int]:
         """The available queue from head (reused first) to tail (reused last)."""

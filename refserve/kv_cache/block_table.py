@@ -25,7 +25,7 @@ block_size - 1), are the sequence's *internal fragmentation*: the only waste pag
 The table does not count tokens (the `Sequence` does) and does not own blocks (the
 `KVCacheManager` allocates, shares and frees them); it only does the arithmetic, on a plain
 Python list of block ids. `slot_mapping(block_ids, positions, block_size)` is the one
-implementation of the slot formula; `slot`, `slots` and the model runner all call it.
+implementation of the slot formula (the model runner calls it for every step's rows).
 """
 
 from __future__ import annotations
@@ -80,35 +80,6 @@ class BlockTable:
         # BEGIN EXERCISE append_rule: blocks needed for num_tokens minus blocks held, never < 0
         return max(0, blocks_for_tokens(num_tokens, self.block_size) - len(self._ids))
         # END EXERCISE
-
-    @property
-    def num_slots(self) -> int:
-        """Positions the table can hold right now: len(table) * block_size."""
-        return len(self._ids) * self.block_size
-
-    # ---- slot arithmetic -----------------------------------------------------------------
-
-    def logical_block(self, position: int) -> int:
-        """Index into the table of the block holding `position`: position // block_size."""
-        return position // self.block_size
-
-    def slot(self, position: int) -> int:
-        """table[position // block_size] * block_size + position % block_size."""
-        if not 0 <= position < self.num_slots:
-            raise IndexError(
-                f"position {position} has no slot: the table holds {len(self._ids)} "
-                f"blocks = positions [0, {self.num_slots})")
-        return int(slot_mapping(self._ids, position, self.block_size))
-
-    def slots(self, start: int, end: int) -> list[int]:
-        """Slots of positions [start, end), in order (the `slot_mapping` of a chunk)."""
-        if start > end:
-            raise ValueError(f"empty or reversed position range [{start}, {end})")
-        if start < 0 or end > self.num_slots:
-            raise IndexError(
-                f"positions [{start}, {end}) do not all have slots: the table holds "
-                f"{len(self._ids)} blocks = positions [0, {self.num_slots})")
-        return slot_mapping(self._ids, np.arange(start, end), self.block_size).tolist()
 
     # ---- edits (done by the KVCacheManager) ----------------------------------------------
 

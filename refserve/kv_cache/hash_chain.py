@@ -101,10 +101,6 @@ class HashChainCache(PrefixCache):
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._key_of_block
 
-    def key_of(self, block_id: int) -> BlockKey | None:
-        """The key a block is cached under, or None."""
-        return self._key_of_block.get(block_id)
-
     def num_cached_blocks_of(self, seq_id: int) -> int:
         return len(self._keys.get(seq_id, ()))
 

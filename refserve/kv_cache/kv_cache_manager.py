@@ -54,7 +54,12 @@ from typing import TYPE_CHECKING, NamedTuple
 from refserve.config import PREFIX_CACHING_POLICIES
 from refserve.kv_cache import kv_checks
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
-from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens, check_block_size
+from refserve.kv_cache.block_table import (
+    BlockTable,
+    blocks_for_tokens,
+    check_block_size,
+    slot_mapping,
+)
 from refserve.kv_cache.hash_chain import HashChainCache
 from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.prefix_cache import PrefixCache
@@ -150,10 +155,6 @@ class KVCacheManager:
         policy sorts by); 0 when caching is off."""
         return self.prefix_cache.match_length(seq.token_ids)
 
-    def usage(self) -> float:
-        """Fraction of the pool held by some sequence (evictable blocks are not held)."""
-        return self.num_held_blocks / self.num_blocks
-
     def reset_peak(self) -> None:
         """Start a new window for `num_held_blocks_peak_since_reset`."""
         self.num_held_blocks_peak_since_reset = self.num_held_blocks
@@ -166,8 +167,9 @@ class KVCacheManager:
         return self._table(seq_id).block_ids
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Flat KV slots of positions [start, end): table[p // bs] * bs + p % bs."""
-        return self._table(seq_id).slots(start, end)
+        """Flat KV slots of positions [start, end) (block_table.slot_mapping)."""
+        return slot_mapping(self._table(seq_id).block_ids, range(start, end),
+                            self.block_size).tolist()
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """Prefix-cache lookup for a sequence about to be admitted. Touches nothing.
