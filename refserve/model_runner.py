@@ -1,10 +1,7 @@
-"""From a scheduler decision to logits: the runner's three stages of one engine step.
+"""From a scheduler decision to logits: the runner's three stages of one engine step,
+`prepare`, `copy_blocks` and `forward` (LLMEngine.step lists all eight).
 
-    inputs = runner.prepare(out)            # host: flatten the rows into integer arrays
-    runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)  # swaps, copy-on-write
-    logits = runner.forward(inputs)         # device: one model forward; logits to the host
-
-`prepare` is the whole translation. Each row `s` of `out.scheduled` computes the query tokens
+`prepare` is the whole translation, on the host. Each row `s` of `out.scheduled` computes the query tokens
 `(seq.token_ids + s.draft_token_ids)[s.start : s.start + s.num_scheduled_tokens]`, and its
 last `s.num_logits` tokens need logits. Rows are laid out *decodes first* (q_len == 1, in
 scheduler order), then the others (prefill chunks, speculative verifies), and for each:

@@ -9,10 +9,8 @@ State
     available queue  every block with ref_count 0, in the order they should be reused:
                      the head is taken first by `allocate`.
 
-Words (one meaning each, here and in the KV-cache manager): a block is HELD while its ref
-count is > 0, and AVAILABLE when it is 0. The manager splits the available blocks further
-into EVICTABLE (its KV is still in the prefix cache, a hit can revive it) and FREE (holds
-nothing reusable). The allocator knows nothing of caching, so it only says "available".
+A block is HELD while its ref count is > 0, and AVAILABLE when it is 0; the prefix cache
+splits the available ones into evictable and free (prefix_cache.py, "three words").
 
 Invariants (checked by `check_invariants`)
     * block b is in the available queue  <=>  ref_count[b] == 0

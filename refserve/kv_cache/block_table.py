@@ -92,12 +92,14 @@ class BlockTable:
         if not 0 <= logical < len(self._ids):
             raise IndexError(f"logical block {logical} not in a table of {len(self._ids)} "
                              "blocks")
-        old, self._ids[logical] = self._ids[logical], block_id
+        old = self._ids[logical]
+        self._ids[logical] = block_id
         return old
 
     def truncate(self, num_blocks: int) -> list[int]:
         """Keep the first `num_blocks` blocks; returns the ids dropped (in table order)."""
-        dropped, self._ids = self._ids[num_blocks:], self._ids[:num_blocks]
+        dropped = self._ids[num_blocks:]
+        del self._ids[num_blocks:]
         return dropped
 
     def copy(self) -> BlockTable:

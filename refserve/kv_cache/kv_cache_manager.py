@@ -221,7 +221,8 @@ class KVCacheManager:
         # From here on nothing can fail: the plan fits in the available blocks.
 
         if table is None:
-            table = self._tables[seq.seq_id] = plan
+            table = plan
+            self._tables[seq.seq_id] = table
             self.prefix_cache.attach(seq.seq_id, attach)  # increfs (radix: locks the path)
             if self.enable_prefix_caching:
                 self.prefix_cache_queried_tokens += seq.num_tokens
@@ -318,7 +319,8 @@ class KVCacheManager:
                                     f"only {self.num_available_blocks} are free or evictable")
         device = [self._take_block() for _ in range(needed)]
         back = host_pool.swap_in([seq.seq_id], device)
-        table = self._tables[seq.seq_id] = BlockTable(self.block_size)
+        table = BlockTable(self.block_size)
+        self._tables[seq.seq_id] = table
         for block_id in back.tables[seq.seq_id]:
             table.append(block_id)
         self.prefix_cache.attach(seq.seq_id, [])

@@ -118,7 +118,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def new_seq_id(self) -> int:
-        """The next sequence id of this scheduler (0, 1, 2, ...)."""
         return next(self._seq_ids)
 
     # ---- sequences in and out, from outside a step ----------------------------------------
@@ -160,9 +159,8 @@ class Scheduler:
     # ---- one step: schedule ------------------------------------------------------------
 
     def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
-        """One step's decision: ADVANCE running sequences (preempting the newest while the
-        pool is short), then ADMIT waiting ones unless this step preempted. `proposals`:
-        this step's drafts by seq_id (they ride the rows they fit, drafts.py)."""
+        """One step's decision (module docstring). `proposals`: this step's drafts by
+        seq_id (they ride the rows they fit, drafts.py)."""
         out = self._begin_step()
         budget = self._advance(out, self.max_num_batched_tokens, proposals)
         if self.waiting and not out.preempted:
@@ -172,8 +170,8 @@ class Scheduler:
     def _advance(self, out: SchedulerOutput, budget: int,
                  proposals: Mapping[int, Proposal] = NO_PROPOSALS,
                  seqs: list[Sequence] | None = None) -> int:
-        """ADVANCE every running sequence (or those of `seqs`, in running order), in order,
-        while budget is left (module docstring). Returns the budget left."""
+        """ADVANCE the running sequences (or `seqs`) while budget is left; returns what is
+        left."""
         for seq in list(self.running) if seqs is None else seqs:
             if budget <= 0:
                 break
@@ -296,7 +294,9 @@ class Scheduler:
         failed), this step plans its work again (step_retry.py)."""
         out = SchedulerOutput(step=self.num_steps, max_num_seqs=self.max_num_seqs,
                               max_num_batched_tokens=self.max_num_batched_tokens)
-        failed, self._pending, self._riders = self._pending, None, {}
+        failed = self._pending  # scheduled and never updated: the step failed
+        self._pending = None
+        self._riders = {}
         if failed is not None:
             for seq in admissions_to_undo(failed):
                 self.running.remove(seq)
@@ -419,7 +419,8 @@ class Scheduler:
                              "must copy the parent as scheduled (parent.fork() does)")
         # Validated: from here on nothing can fail.
         self.kv_cache_manager.fork(parent, child)
-        parent.awaiting_fork = child.awaiting_fork = False
+        parent.awaiting_fork = False
+        child.awaiting_fork = False
         child.status = SequenceStatus.RUNNING
         index = self.running.index(parent) + 1
         while (index < len(self.running)

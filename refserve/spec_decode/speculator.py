@@ -19,6 +19,7 @@ from refserve.scheduler.drafts import Proposals
 from refserve.scheduler.output import StepUpdate
 from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
+from refserve.spec_decode.cost_probe import dense_seconds
 from refserve.spec_decode.proposer import Proposer
 
 
@@ -30,6 +31,20 @@ class Speculator:
         self.proposer = proposer
         self.adaptive = adaptive
         self.max_model_len = max_model_len
+
+    @classmethod
+    def create(cls, proposer_cls: type[Proposer], spec, loaded, target, backend,
+               num_blocks: int, block_size: int, max_model_len: int,
+               max_num_batched_tokens: int) -> Speculator:
+        """The speculator of an engine: its proposer (`loaded` = what `proposer_cls.load`
+        returned: the draft model and its cost per token) and the adaptive rule, calibrated
+        on the target's dense products up to the step's token budget (a verify step's
+        cost, adaptive.py)."""
+        proposer = proposer_cls.create(spec, loaded, backend, num_blocks, block_size)
+        adaptive = AdaptiveSpeculation(spec.k, loaded[1], enabled=spec.adaptive)
+        adaptive.calibrate(lambda rows, repeats: dense_seconds(target, rows, repeats),
+                           max_num_batched_tokens)
+        return cls(proposer, adaptive, max_model_len)
 
     def propose(self, running: SequenceOf[Sequence]) -> Proposals:
         """The proposal stage: drafts for every running sequence that may get some
