@@ -3,8 +3,9 @@
 
 `prepare` is the whole translation, on the host. Each row `s` of `out.scheduled` computes
 the query tokens `(seq.token_ids + s.draft_token_ids)[s.start : s.start +
-s.num_scheduled_tokens]`, and its last `s.num_logits` tokens need logits. Rows are laid out *decodes first* (q_len == 1, in
-scheduler order), then the others (prefill chunks, speculative verifies), and for each:
+s.num_scheduled_tokens]`, and its last `s.num_logits` tokens need logits. Rows are laid
+out *decodes first* (q_len == 1, in scheduler order), then the others (prefill chunks,
+speculative verifies), and for each:
 
     positions        start, start+1, ..., start+q-1           (absolute positions)
     slot_mapping     slot(p) = block_table[p // block_size] * block_size + p % block_size
