@@ -131,9 +131,9 @@ class KVCacheManager:
         return self.prefix_cache.num_free_blocks
 
     def block_counts(self) -> BlockCounts:
-        """The pool now, in one call (a step's summary); held is what the rest leaves."""
-        evictable, free = self.prefix_cache.num_evictable_blocks, self.prefix_cache.num_free_blocks
-        return BlockCounts(self.num_blocks - evictable - free, evictable, free, self.num_blocks)
+        """The pool now, in one call (a step's summary)."""
+        return BlockCounts(held=self.num_held_blocks, evictable=self.num_evictable_blocks,
+                           free=self.num_free_blocks, total=self.num_blocks)
 
     @property
     def num_available_blocks(self) -> int:
@@ -172,7 +172,9 @@ class KVCacheManager:
                             self.block_size).tolist()
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
-        """Prefix-cache lookup for a sequence about to be admitted. Touches nothing.
+        """Prefix-cache lookup for a sequence about to be admitted. Takes no block and no
+        reference (the radix tree's lookup may split a node, and marks the hit path as just
+        used: its LRU clock).
 
         Walks the leading full blocks of seq.token_ids and returns the cached ones up to the
         first miss, as (block ids, tokens they cover = len(blocks) * block_size). The block

@@ -232,8 +232,8 @@ class Scheduler:
     def _plan_row(self, seq: Sequence, budget: int, drafts: tuple[int, ...] = ()) -> RowPlan:
         """`seq`'s next row under `budget` (module docstring, ADVANCE). A sequence that holds
         no blocks (a WAITING one, being admitted) first looks up its prefix-cache hits,
-        unless it resumes from swap with its own KV. Changes no sequence and no block
-        (the radix tree's lookup does refresh its LRU clock)."""
+        unless it resumes from swap with its own KV. Changes no sequence and takes no block
+        (the radix tree's lookup may split a node and marks the hit path used)."""
         kv = self.kv_cache_manager
         admitting = seq.status is SequenceStatus.WAITING and not self._is_swapped_out(seq)
         computed_blocks = kv.get_computed_blocks(seq)[0] if admitting else []
