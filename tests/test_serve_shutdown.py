@@ -56,8 +56,8 @@ def _ended_by_shutdown(events: list[str]) -> bool:
         "message", "")
 
 
-def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_dir):
-    s = ServerThread(make_engine(tiny_dir))
+def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_chat_llama):
+    s = ServerThread(make_engine(tiny_chat_llama))
     gate = threading.Semaphore(0)
     original = s.engine.step
 

@@ -93,19 +93,19 @@ def test_calibration_measures_the_rows_up_to_the_budget_and_is_monotone():
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_measure_pass_cost_on_a_tiny_real_model(tiny_folder, backend):
+def test_measure_pass_cost_on_a_tiny_real_model(tiny_llama, backend):
     from refserve.backends import get_backend
     from refserve.models.loader import load_model
     from refserve.spec_decode.cost_probe import dense_seconds
 
-    model = load_model(tiny_folder, get_backend(backend))
+    model = load_model(tiny_llama, get_backend(backend))
     cost = measure_pass_cost(lambda rows, repeats: dense_seconds(model, rows, repeats),
                              max_rows=8)
     assert cost.rows == (1, 2, 3, 5, 8)
     assert all(s > 0 for s in cost.seconds) and np.all(np.diff(cost.seconds) >= 0)
 
 
-def test_cost_probes_time_what_they_say(tiny_folder):
+def test_cost_probes_time_what_they_say(tiny_llama):
     """spec_decode/cost_probe.py on a tiny model: the dense products of a forward (4 per
     layer and the lm_head) at each row count, whole forwards, and a copy on another backend
     that computes the same logits."""
@@ -115,7 +115,7 @@ def test_cost_probes_time_what_they_say(tiny_folder):
     from refserve.models.loader import load_model
     from refserve.spec_decode import cost_probe
 
-    model = load_model(tiny_folder, NumpyBackend())
+    model = load_model(tiny_llama, NumpyBackend())
     dense = cost_probe.dense_seconds(model, [1, 3], repeats=2)
     assert set(dense) == {1, 3} and all(len(t) == 2 and min(t) > 0 for t in dense.values())
     assert len(cost_probe.dense_weights(model)) == 4 * model.config.num_hidden_layers + 1

@@ -46,12 +46,12 @@ def test_the_reading_list_in_the_docs_is_the_trace(reference_trace):
         "`python -m refserve.tour --markdown` into docs/architecture.md")
 
 
-def test_the_tracer_attributes_calls_to_the_stage_that_made_them(tiny_folder):
+def test_the_tracer_attributes_calls_to_the_stage_that_made_them(tiny_llama):
     """On the tiny model (fast): the stages appear in step() order, each call is listed
     once, and only refserve's own functions are listed."""
     from refserve import LLM, SamplingParams
 
-    engine = LLM(model=str(tiny_folder), backend="numpy", progress=False).llm_engine
+    engine = LLM(model=str(tiny_llama), backend="numpy", progress=False).llm_engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4))
     engine.step()
     t = tour.trace_step(engine)

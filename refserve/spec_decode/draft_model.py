@@ -22,7 +22,7 @@ Proposing for a batch of target sequences (one batched draft forward per draft p
                   greedy: argmax) and q is recorded: the rejection test divides by exactly
                   this q.
     3. RELEASE    shadows of sequences no longer running (finished, aborted, preempted) give
-                  their blocks back (`release`).
+                  their blocks back (`release_all_except`).
 
 Randomness of the draft: a seeded request draws x_{i+1} with a generator seeded from
 (seed, child index, position), so re-proposing from the same state proposes the same drafts
@@ -245,7 +245,8 @@ class DraftModelProposer(Proposer):
         return float(gen.random())
 
     # ---- 3. release --------------------------------------------------------------------
-    def release(self, live_seq_ids: set[int]) -> None:
+    def release_all_except(self, live_seq_ids: set[int]) -> None:
+        """Drop every shadow but those of `live_seq_ids`; theirs give their blocks back."""
         for seq_id in [s for s in self.shadows if s not in live_seq_ids]:
             self._drop(seq_id)
 

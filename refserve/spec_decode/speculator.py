@@ -52,7 +52,7 @@ class Speculator:
         forgotten first (a draft model's shadow gives back its blocks). Changes no
         Sequence."""
         live = {seq.seq_id for seq in running}
-        self.proposer.release(live)
+        self.proposer.release_all_except(live)
         rooms = [(seq, self.room(seq)) for seq in running]
         self.adaptive.begin_step(live, drafting={seq.seq_id for seq, r in rooms if r > 0})
         seqs, counts = [], []
