@@ -138,8 +138,9 @@ def trace_step(engine) -> Trace:
             # Comprehensions and lambdas run as functions of their own: not listed.
             if key not in seen and "<" not in frame.f_code.co_name:
                 seen.add(key)
-                trace.calls.append(Call(stage[0], path, frame.f_code.co_firstlineno,
-                                        frame.f_code.co_qualname, _doc_line(frame)))
+                trace.calls.append(Call(
+                    stage=stage[0], path=path, line=frame.f_code.co_firstlineno,
+                    name=frame.f_code.co_qualname, doc=_doc_line(frame)))
         trace.lines[path].add(frame.f_lineno)
         return tracer
 

@@ -173,7 +173,8 @@ def plan_decode(block_tables: np.ndarray, context_lens: np.ndarray, block_size: 
     pieces, leftover = [], [[] for _ in range(batch)]  # leftover[b]: [(block, keys)]
     for (first, stop, keys), rows in readers.items():
         if len(rows) * keys >= min_view_work:
-            pieces.append(Piece(_as_rows(rows), first, stop - first, keys))
+            pieces.append(Piece(rows=_as_rows(rows), first=first, num_blocks=stop - first,
+                                num_keys=keys))
         else:
             for b in rows:
                 for block in range(first, stop):
@@ -214,7 +215,7 @@ def _gather_batch(rows: list[int], leftover: list[list[tuple[int, int]]],
     slot = np.arange(num_keys)
     visible = (slot % block_size)[None, :] < filled[:, slot // block_size]
     bias = np.where(visible, _ZERO, _NEG_INF)[:, None, None, :]
-    return Gathered(np.array(rows), table, num_keys, bias)
+    return Gathered(rows=np.array(rows), table=table, num_keys=num_keys, bias=bias)
 
 
 class PagedAttention:

@@ -109,7 +109,7 @@ class SchedulerOutput:
     max_num_batched_tokens: int = 0
     num_seats_used: int = 0
     max_num_seqs: int = 0
-    blocks: BlockCounts = BlockCounts(0, 0, 0, 0)
+    blocks: BlockCounts = BlockCounts(held=0, evictable=0, free=0, total=0)
 
     @property
     def num_logits(self) -> int:
