@@ -1,6 +1,7 @@
 """Two checkouts of refserve side by side: the engine's step time at a few batch sizes.
 
-    git worktree add --detach /tmp/base main     (or: mkdir /tmp/base; git archive main | tar -x -C /tmp/base)
+    git worktree add --detach /tmp/base main
+        (or: mkdir /tmp/base && git archive main | tar -x -C /tmp/base)
     python scripts/ab_step_time.py /tmp/base . [--backend auto] [--batch 1,8,32]
                                               [--steps 40] [--rounds 4] [--as-user]
 
