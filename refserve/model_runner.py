@@ -52,7 +52,8 @@ class ModelInputs:
     attn: AttentionMetadata
 
     @property
-    def num_tokens(self) -> int:
+    def num_batched_tokens(self) -> int:
+        """T, the batch's query tokens (SchedulerOutput.num_batched_tokens)."""
         return len(self.input_ids)
 
     @property
@@ -62,7 +63,7 @@ class ModelInputs:
     def __str__(self) -> str:
         a = self.attn
         lines = [
-            f"ModelInputs: {len(self.row_order)} rows, {self.num_tokens} tokens, "
+            f"ModelInputs: {len(self.row_order)} rows, {self.num_batched_tokens} tokens, "
             f"{self.num_logits} logits rows | num_decodes {a.num_decodes} | "
             f"max_decode_context_len {a.max_decode_context_len}",
             f"  row_order        {self.row_order.tolist()}   (flat row -> scheduled row)",

@@ -70,7 +70,7 @@ def run(root: Path, args) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", type=Path, help="checkout A (e.g. main's worktree)")
     p.add_argument("b", type=Path, help="checkout B (e.g. this branch)")

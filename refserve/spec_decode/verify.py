@@ -17,7 +17,7 @@ a sampled row takes exactly n_b + 1 uniforms, `generator.random(n_b + 1)`:
     u[0 .. n_b - 1]   accept_uniforms: u[i] tests draft x_{i+1}
     u[n_b]            draw_uniform: the recovered-or-bonus token
 
-A greedy row (temperature < 1e-5) draws nothing: p is one-hot, so the test is exact match
+A greedy row (`SamplingParams.greedy`) draws nothing: p is one-hot, so the test is exact match
 (x_i accepted iff it is the target's argmax) and the recovered or bonus token is the argmax,
 whatever the uniforms; it gets zeros.
 """
