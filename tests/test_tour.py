@@ -18,7 +18,7 @@ from refserve import tour
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-# Today: 12 files, 427 statements, 2,784 lines held (docs/architecture.md).
+# Today: 12 files, 427 statements, 2,787 lines held (docs/architecture.md).
 MAX_FILES = 12
 MAX_STATEMENTS = 520
 MAX_FILE_LINES = 3000
