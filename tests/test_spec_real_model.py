@@ -117,4 +117,4 @@ def test_generate_cli_prints_acceptance(smollm2_dir, capsys):
                "--speculative-config", json.dumps(NGRAM), "--ignore-eos", QUOTE])
     assert rc == 0
     err = capsys.readouterr().err
-    assert "spec ngram: acceptance" in err and "mean accepted length" in err
+    assert "spec ngram: draft acceptance rate" in err and "mean accepted length" in err

@@ -192,7 +192,7 @@ def run(args) -> dict:
     print_table(rows, [("workload", "workload", ""), ("batch", "batch", "d"),
                        ("system", "system", ""), ("seconds", "seconds", ".2f"),
                        ("tokens_per_s", "tok/s", ".1f"), ("speedup", "speedup", ".2f"),
-                       ("acceptance_rate", "acceptance", ".1%"),
+                       ("acceptance_rate", "accepted/proposed", ".1%"),
                        ("mean_accepted_length", "mean acc. len", ".2f"),
                        ("target_passes_per_token", "passes/token", ".2f"),
                        ("identical_outputs", "identical", "d"), ("requests", "of", "d")])
