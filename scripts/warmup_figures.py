@@ -48,8 +48,9 @@ WARMUP = ROOT / "WARMUP.md"
 BENCH = ROOT / "docs" / "bench"
 REFRESH = "python scripts/warmup_figures.py"
 
-BLOCK = re.compile(r"(<!-- figure (?P<name>[\w-]+) -->\n```[^\n]*\n)(?P<body>.*?)(\n```)",
-                   re.S)
+# A block's body never holds a fence: an empty or broken block cannot swallow the next one.
+BLOCK = re.compile(r"(<!-- figure (?P<name>[\w-]+) -->\n```[^\n`]*\n)"
+                   r"(?P<body>(?:[^`]|`(?!``))*?)(\n```)")
 PROSE = re.compile(r"(<!-- (?P<name>[\w-]+)\.(?P<key>[\w-]+) -->)(?P<value>.*?)(<!-- / -->)")
 TIMED = re.compile(r"\d+\.\d+ s\b|\d+\.\d+x")
 
@@ -61,6 +62,7 @@ class Figure:
     compute: Callable[[], tuple[str, dict]]   # (output lines for the block, prose values)
     kind: str = "deterministic"           # or "timed" (masked) or "recorded"
     loads_model: bool = False
+    prompt: bool = True                   # the block starts with `$ command`
 
 
 @dataclass
@@ -85,7 +87,7 @@ def captured(fn: Callable, *args) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = fn(*args)
-    if rc not in (None, 0):
+    if isinstance(rc, int) and rc != 0:
         raise RuntimeError(f"{fn.__module__}.{fn.__name__}{args} returned {rc}")
     return out.getvalue()
 
@@ -147,6 +149,14 @@ def scheduler_events():
     return "...\n" + "\n".join(lines) + "\n...", {}
 
 
+def radix():
+    """The demo's second tree: b's hit split a's node."""
+    from refserve.kv_cache.radix_demo import main
+
+    paragraphs = captured(main).strip("\n").split("\n\n")
+    return "...\n" + next(p for p in paragraphs if p.startswith("b = ")) + "\n...", {}
+
+
 FORMULA = """from refserve.spec_decode.metrics import expected_tokens_per_pass as E
 for a,k,c in [(0.8,4,0.0),(0.8,4,0.05),(0.3,4,0.54),(0.3,1,0.54),(0.3,4,0.0),(0.6,4,0.1),(0.8,8,0.0)]:
     e=E(a,k); r=a*(1-a**k)/(k*(1-a)); print(f'alpha={a} k={k} c={c}: E={e:.4f} accepted/proposed={r:.1%} speedup={e/(1+k*c):.3f}')"""
@@ -166,39 +176,13 @@ def war_story(name: str) -> Figure:
 
             text = captured(run_speculation, False)
         else:
-            from refserve.war_stories import STORIES, run_simulated
+            from refserve.war_stories import run_story
 
-            text = captured(run_simulated, STORIES[name], False)
+            text = captured(run_story, name, False)
         return text.rstrip("\n"), {}
     return Figure(f"story-{name}", f"python -m refserve.war_stories {name}", compute,
                   kind="timed" if name == "speculation" else "deterministic",
                   loads_model=name == "speculation")
-
-
-def spec_at_scale():
-    """The simulated speculation table: TPOT p50 of each drafter and α beside none."""
-    from refserve.war_stories import simulate_row
-
-    base = ["--model", "llama-3-8b", "--gpu", "h100-80gb", "--workload", "chat", "--rate",
-            "8", "--num-requests", "1000"]
-    drafts = {"self-draft, 16 of 32 layers": '{"method": "draft_model", "model": "self", '
-              '"num_draft_layers": 16, "num_speculative_tokens": 4, "adaptive": false}',
-              "n-gram (free drafts)": '{"method": "ngram", "num_speculative_tokens": 4, '
-              '"adaptive": false}'}
-    plain = simulate_row(base)["TPOT"][50]
-    lines = [f"no speculation: TPOT p50 {plain:.1f} ms"]
-    values = {"plain": f"{plain:.1f}"}
-    for label, spec in drafts.items():
-        for alpha in ("0.3", "0.8"):
-            r = simulate_row([*base, "--speculative-config", spec, "--spec-alpha", alpha])
-            tpot = r["TPOT"][50]
-            ratio = (f"{plain / tpot:.1f}x faster" if tpot < plain * 0.97 else
-                     f"{tpot / plain:.1f}x slower" if tpot > plain * 1.03 else "no gain")
-            lines.append(f"{label:<28} α {alpha}: draft acceptance rate "
-                         f"{r['rate']:.1%}, mean accepted length {r['mal']:.2f}, TPOT p50 "
-                         f"{tpot:.1f} ms ({ratio})")
-        values["pool_" + label.split()[0].rstrip(",")] = f"{r['pool']:,}"
-    return "\n".join(lines), values
 
 
 # ---- recorded benchmark runs ---------------------------------------------------------------
@@ -358,37 +342,34 @@ FIGURES += [
     Figure("scheduler", "python -m refserve.scheduler", scheduler_summary),
     Figure("scheduler-events", "python -m refserve.scheduler", scheduler_events),
     Figure("formula", "python -c", formula),
-    Figure("story-spec-at-scale", "python -m refserve.simulate ... (five runs: see the text)",
-           spec_at_scale),
-    Figure("radix", "python -m refserve.kv_cache.radix_demo",
-           cli("refserve.kv_cache.radix_demo", None, None)),
+    Figure("radix", "python -m refserve.kv_cache.radix_demo", radix),
     Figure("paged-bench", "python -m refserve.bench paged", bench_paged, kind="recorded"),
     Figure("batching-bench", "python -m refserve.bench batching", bench_batching,
            kind="recorded"),
     Figure("chunked-bench", "python -m refserve.bench chunked", bench_chunked,
            kind="recorded"),
     Figure("batching-overhead", "python -m refserve.bench batching", bench_overhead,
-           kind="recorded"),
+           kind="recorded", prompt=False),
     Figure("loadtest-bench", "python -m refserve.bench loadtest", bench_loadtest,
            kind="recorded"),
     Figure("prefix-bench", "python -m refserve.bench prefix", bench_prefix("policies"),
-           kind="recorded"),
+           kind="recorded", prompt=False),
     Figure("prefix-scheduling", "python -m refserve.bench prefix", bench_prefix("scheduling"),
-           kind="recorded"),
+           kind="recorded", prompt=False),
     Figure("preemption-bench", "python -m refserve.bench preemption", bench_preemption,
-           kind="recorded"),
+           kind="recorded", prompt=False),
 ]
-FIGURES += [war_story(n) for n in ("oom", "static", "speculation", "prefix", "chunked")]
+FIGURES += [war_story(n) for n in ("oom", "static", "speculation", "speculation-sim",
+                                    "prefix", "chunked")]
 BY_NAME = {f.name: f for f in FIGURES}
 
 
 # ---- comparing and rewriting ----------------------------------------------------------------
 
 def block_text(fig: Figure, body: str) -> str:
-    first = "" if fig.kind == "recorded" or body.startswith("$") else f"$ {fig.command}\n"
     if fig.name == "formula":
-        first = "$ python -c "
-    return first + body
+        return "$ python -c " + body
+    return (f"$ {fig.command}\n" if fig.prompt else "") + body
 
 
 def masked(fig: Figure, text: str) -> str:
