@@ -8,16 +8,16 @@ whose output shows the lesson (WARMUP.md section 11 quotes every one).
     prefix       a shared system prompt stored once per request; prefix caching stores it once
     chunked      long prompts stall every decoder; a token budget bounds the step
 
-Four stories (and speculation-sim) run at full size on the simulator: refserve's own Scheduler and KVCacheManager
-on a virtual clock, each step priced by the roofline cost model of a Llama-3-8B shape on one
-H100 (`python -m refserve.simulate` with the flags each story prints). Their figures are
-deterministic: the same on every machine.
+Four stories (and speculation-sim) run at full size on the simulator: refserve's own
+Scheduler and KVCacheManager on a virtual clock, each step priced by the roofline cost model
+of a Llama-3-8B shape on one H100 (`python -m refserve.simulate` with the flags each story
+prints). Their figures are deterministic: the same on every machine.
 
-The speculation story runs the embedded SmolLM2-135M on the NumPy reference backend, batch
-1, speculation's adaptive rule off (so the drafts are paid for whatever they earn). Its
-counted columns (output tokens, drafts proposed and accepted, verify steps) are deterministic
-on a machine; its seconds and speedups are wall-clock, each system's requests interleaved
-with the others' so a busy spell of the machine hits them alike.
+The speculation story runs the embedded SmolLM2-135M on the tuned CPU backend (proven equal
+to the reference by tests/test_backend_equality_cpu.py), batch 1, the adaptive rule off (so
+the drafts are paid for whatever they earn): refserve/war_story_spec.py. Its counted columns
+(drafts proposed and accepted, tokens per target pass) are deterministic on a machine; its
+seconds and speedups are wall-clock, the systems taking turns request by request.
 
 A mistake is one `error: ...` line, exit status 2.
 """

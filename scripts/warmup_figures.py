@@ -158,8 +158,12 @@ def radix():
 
 
 FORMULA = """from refserve.spec_decode.metrics import expected_tokens_per_pass as E
-for a,k,c in [(0.8,4,0.0),(0.8,4,0.05),(0.3,4,0.54),(0.3,1,0.54),(0.3,4,0.0),(0.6,4,0.1),(0.8,8,0.0)]:
-    e=E(a,k); r=a*(1-a**k)/(k*(1-a)); print(f'alpha={a} k={k} c={c}: E={e:.4f} accepted/proposed={r:.1%} speedup={e/(1+k*c):.3f}')"""
+cases = [(0.8,4,0.0), (0.8,4,0.05), (0.3,4,0.54), (0.3,1,0.54), (0.3,4,0.0), (0.6,4,0.1),
+         (0.8,8,0.0)]
+for a,k,c in cases:
+    e = E(a,k); rate = a*(1-a**k)/(k*(1-a))   # accepted / proposed
+    print(f'alpha={a} k={k} c={c}: E={e:.4f} accepted/proposed={rate:.1%} '
+          f'speedup={e/(1+k*c):.3f}')"""
 
 
 def formula():
@@ -201,11 +205,12 @@ def bench_batching():
     d = recorded("batching")
     rows = [{**r, "ms_per_step": 1000 * r["elapsed_s"] / r["steps"]} for r in d["rows"]]
     cont, static = rows[0], rows[1]
+    seats = static["slot_steps_wasted"] + static["slot_steps_used"]
     values = {"steps_continuous": f"{cont['steps']}", "steps_static": f"{static['steps']}",
               "used": f"{cont['slot_steps_used']}",
               "wasted": f"{static['slot_steps_wasted']:,}",
-              "wasted_share": f"{static['slot_steps_wasted'] / (static['slot_steps_wasted'] + static['slot_steps_used']):.0%}",
-              "seats": f"{static['slot_steps_wasted'] + static['slot_steps_used']:,}",
+              "wasted_share": f"{static['slot_steps_wasted'] / seats:.0%}",
+              "seats": f"{seats:,}",
               "step_ratio": f"{static['steps'] / cont['steps']:.2f}",
               "wall_ratio": f"{static['elapsed_s'] / cont['elapsed_s']:.2f}"}
     return table(rows, BATCHING_COLS), values
@@ -274,7 +279,8 @@ def bench_prefix(part: str):
         workloads = list(dict.fromkeys(r["workload"] for r in d["rows"]))
         out = []
         if part == "policies":
-            out.append(f"{'workload':<12}{'prompt tok':>10}   {'prefill computed: off / hash / radix':<38}"
+            out.append(f"{'workload':<12}{'prompt tok':>10}   "
+                       f"{'prefill computed: off / hash / radix':<38}"
                        f"{'hit rate hash = radix':<24}TTFT p50 ms off / hash / radix")
             for w in workloads:
                 off, h, rx = (rows[(w, c)] for c in ("off", "hash", "radix"))
@@ -285,8 +291,8 @@ def bench_prefix(part: str):
                 out.append(f"{w:<12}{off['prompt_tokens']:>10}   {comp:<38}{hit:<24}{ttft}")
             evict = " / ".join(str(rows[(w, "hash")]["evictions"]) for w in workloads)
             return "\n".join(out), {"evictions": evict}
-        out.append(f"{'workload':<13}{'hit rate fcfs -> lpm':<24}{'prefill computed fcfs -> lpm':<32}"
-                   "TTFT p50 / p99 ms fcfs -> lpm")
+        out.append(f"{'workload':<13}{'hit rate fcfs -> lpm':<24}"
+                   f"{'prefill computed fcfs -> lpm':<32}TTFT p50 / p99 ms fcfs -> lpm")
         for w in workloads:
             f, lp = rows[(w, "radix + fcfs")], rows[(w, "radix + lpm")]
             hit = f"{f['hit_rate']:.1%} -> {lp['hit_rate']:.1%}"
