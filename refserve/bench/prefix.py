@@ -42,7 +42,7 @@ def add_arguments(p) -> None:
 
 
 def apply_quick(args) -> None:
-    args.scale, args.max_tokens = 16, 2
+    args.scale, args.max_tokens = 8, 2
 
 
 POSITIVE = ("scale", "max_tokens", "block_size", "pool_fraction", "max_num_seqs")

@@ -60,7 +60,7 @@ def add_arguments(s) -> None:
 
 
 def apply_quick(args) -> None:
-    args.scale = min(args.scale, 0.35)
+    args.scale = min(args.scale, 0.2)
 
 
 @dataclass
