@@ -10,9 +10,24 @@ refreshes it: `python scripts/warmup_figures.py`.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 
-from scripts import warmup_figures as wf
+
+def _load_script():
+    """scripts/warmup_figures.py is a script, not a package module: load it by path."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "warmup_figures.py"
+    spec = importlib.util.spec_from_file_location("warmup_figures", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module       # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+wf = _load_script()
 
 pytestmark = pytest.mark.course
 
