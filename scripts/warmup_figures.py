@@ -440,7 +440,7 @@ def unknown_names(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=REFRESH, description=__doc__,
+    p = argparse.ArgumentParser(prog=REFRESH, description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="compare only; exit 1 when stale")
     p.add_argument("--only", nargs="+", metavar="NAME", help="just these figures")
