@@ -43,8 +43,9 @@ def add_arguments(p) -> None:
 
 
 def apply_quick(args) -> None:
-    args.num_requests, args.mean_output, args.max_running = 6, 24, 3
-    args.overhead_running, args.overhead_steps = [6], 3
+    # 4 requests, 2 seats: the fewest steps in which static still pads (45 vs 48 steps)
+    args.num_requests, args.mean_output, args.max_running = 4, 24, 2
+    args.overhead_running, args.overhead_steps = [2], 3
     args.hf_threads = 1
 
 
@@ -215,12 +216,12 @@ def run(args) -> dict:
     assert rows[1]["outputs"] == rows[0]["outputs"], "static and continuous outputs differ"
     del static
     with_reference = backend != "numpy" and not args.no_reference
+    reference = None
     if with_reference:
         reference = traced(args, LLM(backend="numpy", **common), "continuous, reference")
         rows.append(run_refserve(reference, wl, "refserve numpy reference"))
         rows[-1]["same_outputs_as_refserve"] = sum(
             a == b for a, b in zip(rows[-1]["outputs"], rows[0]["outputs"]))
-        del reference
     if not args.no_hf:
         rows.append(run_transformers(cont.llm_engine.model_path, wl, args.max_running,
                                      args.hf_threads))
@@ -228,16 +229,18 @@ def run(args) -> dict:
             a == b for a, b in zip(rows[-1]["outputs"], rows[0]["outputs"]))
     for r in rows:
         r["ms_per_step"] = 1000 * r["elapsed_s"] / max(r["steps"], 1)
-    del cont
-    # Its own engine: the batching engines run at most --max-running sequences at once.
+    # The batching engines run at most --max-running sequences at once: a wider count gets
+    # engines of its own.
     wide_config = {**common, "max_num_seqs": max(args.overhead_running)}
-    wide = LLM(backend=args.backend, **wide_config)
+    fits = max(args.overhead_running) <= args.max_running
+    wide = cont if fits else LLM(backend=args.backend, **wide_config)
     overheads = [overhead_at(wide, n, args.overhead_steps, vocab)
                  for n in sorted(args.overhead_running)]
-    del wide
+    del wide, cont
     if with_reference:
-        overheads.append(overhead_at(LLM(backend="numpy", **wide_config),
+        overheads.append(overhead_at(reference if fits else LLM(backend="numpy", **wide_config),
                                      max(args.overhead_running), args.overhead_steps, vocab))
+    del reference
     result = {"rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
               "overheads": overheads,
               "overhead": max((o for o in overheads if o["backend"] == backend),
