@@ -379,7 +379,11 @@ def block_text(fig: Figure, body: str) -> str:
 
 
 def masked(fig: Figure, text: str) -> str:
-    return TIMED.sub("~", text) if fig.kind == "timed" else text
+    """A timed figure's line with its seconds and speedups as "~" and its spacing squeezed
+    (a table pads a column to its widest timed value)."""
+    if fig.kind != "timed":
+        return text
+    return " ".join(TIMED.sub("~", text).split())
 
 
 def used_names(text: str) -> set[str]:

@@ -98,6 +98,9 @@ def test_timed_columns_are_masked_and_counted_ones_are_not():
     row = "  quotes  n-gram      69        39   56.5%   2.56   4.78 s    2.55 s    1.87x"
     assert wf.masked(fig, row) == wf.masked(fig, row.replace("2.55 s", "3.01 s")
                                             .replace("1.87x", "1.59x"))
+    # a wider timed value pads its column: the spacing is not a figure
+    assert wf.masked(fig, row) == wf.masked(fig, row.replace(" 2.55 s", "12.55 s")
+                                            .replace("  4.78 s", " 14.78 s"))
     assert wf.masked(fig, row) != wf.masked(fig, row.replace("  39 ", "  38 "))
     assert wf.masked(fig, row) != wf.masked(fig, row.replace("2.56", "2.51"))
 
