@@ -1,4 +1,5 @@
-"""The course's grader: every test carries a mechanism marker; `pytest --grade` scores each one.
+"""The course's grader: every test carries a mechanism marker, and `pytest --grade` grades
+a student copy exercise by exercise.
 
 Loaded before collection by `-p grading` in pyproject.toml's pytest addopts (with tests/ on
 pytest's pythonpath), so its options exist before pytest reads the command line's paths.
@@ -8,36 +9,34 @@ Its jobs:
    pattern and test-name pattern both match (a rule may name several mechanisms). A test
    that already carries a mechanism marker written in its own file keeps exactly that. A
    module no rule names falls back to the mechanism spelled in its file name
-   (tests/test_scheduler_extra.py -> scheduler); otherwise it is reported as unmapped.
-   Because the markers exist at collection time, `pytest -m scheduler` runs one mechanism.
+   (tests/test_scheduler_extra.py -> scheduler). Because the markers exist at collection
+   time, `pytest -m scheduler` runs one mechanism.
 
-2. Score. `--grade` records every test's outcome (setup, call and teardown together: any
-   failing phase makes the test failed) and, at the end, prints one row per mechanism:
-   passed / failed / skipped / blocked and a status. A test counts once under each of its
-   markers; the TOTAL row counts each test once.
+2. Grade. `pytest [--impl DIR] [-m "not slow"] --grade [--exercise NAME]` is the course's
+   grade, the same as `python -m refserve.course grade [DIR] [--exercise NAME]`: pytest
+   hands the command to refserve/course_grade.py (this checkout's), which grades each
+   exercise of DIR alone inside the reference, prints one row per exercise and writes
+   grade.json (`--grade-json`, default ./grade.json), then exits without running anything
+   itself. Without --impl it grades this checkout's own regions (all pass). It always
+   grades the not-slow selection of each exercise, so it takes no test paths and no other
+   `-m`.
 
-3. Tell "blocked" from "failed". A check that needs a GPU and finds none must skip with a
+3. Record. `--grade-record PATH` is how course_grade.py reads one exercise's run back: one
+   JSON line per event (`Recorder`), each failure as one plain line (`plain_line`: the
+   assertion, a Hypothesis falsifying example folded in, never an exception group), and a
+   deterministic Hypothesis profile that reports one bug (`GRADING_PROFILE`).
+
+4. Tell "blocked" from "failed". A check that needs a GPU and finds none must skip with a
    reason that starts with "no GPU" (e.g. `pytest.skip("no GPU: cupy cannot see a device")`,
    or the `requires_gpu` mark below). A failed `pytest.importorskip("cupy")` and a missing
-   CUDA toolkit ("nvcc ... not installed") count too. Such skips are *blocked*, not failed:
-   a mechanism whose only non-passing tests are blocked reads "blocked: no GPU".
+   CUDA toolkit ("nvcc ... not installed") count too. Such skips are recorded as blocked,
+   not failed.
 
-`grade.json` (path: `--grade-json`, default ./grade.json) holds the same numbers plus the
-node ids of failed and blocked tests, for CI or a course dashboard. A run with a collection
-error (or interrupted) is not graded: the error is printed, the exit status is non-zero, and
-neither a table nor grade.json is written (a grade.json left by an earlier run is removed).
-
-Not done yet. A failure whose report shows an exercise stub's NotImplementedError
-("exercise <name>: <hint>", what `make-student` leaves in each region) fails only because
-that exercise is not written yet; a row whose failures are all of that kind says so and names
-the exercises ("FAIL: not done yet: append_rule"), so an untouched student copy reads as a
-to-do list, not as broken code. The notebooks' row (course) too.
-
-4. Grade a student copy. `--impl DIR` (or the environment variable REFSERVE_IMPL=DIR) runs
-   these same tests against the `refserve` package in DIR, a copy written by
-   `python -m refserve.course make-student DIR`: DIR goes first on sys.path (and on
-   PYTHONPATH, for the tests' subprocesses) before anything imports refserve, and the run
-   stops with a usage error unless the refserve it then imports is DIR's.
+5. Test another implementation. `--impl DIR` (or the environment variable REFSERVE_IMPL=DIR)
+   runs these same tests against the `refserve` package in DIR (a student copy, or the
+   grader's hybrid package): DIR goes first on sys.path (and on PYTHONPATH, for the tests'
+   subprocesses) before anything imports refserve, and the run stops with a usage error
+   unless the refserve it then imports is DIR's.
    `--impl DIR` with a space: pytest picks its rootdir (and so its configuration) from the
    command line's paths before any plugin can define an option, and takes DIR for a test
    path. So the plugin restarts the same command once with `--impl=DIR`, which pytest
@@ -52,8 +51,6 @@ import json
 import os
 import re
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -247,13 +244,21 @@ def is_blocked(reason: str) -> bool:
 def pytest_addoption(parser):
     group = parser.getgroup("grading", "course grading")
     group.addoption("--grade", action="store_true",
-                    help="print a per-mechanism score table at the end and write grade.json")
+                    help="grade the student copy given with --impl (default: this checkout), "
+                         "each exercise alone inside the reference; print one row per "
+                         "exercise and write grade.json (python -m refserve.course grade)")
+    group.addoption("--exercise", action="append", metavar="NAME",
+                    help="with --grade: grade only this exercise (repeatable)")
     group.addoption("--grade-json", default="grade.json", metavar="PATH",
                     help="where --grade writes its JSON report (default: ./grade.json)")
     group.addoption("--impl", default=os.environ.get("REFSERVE_IMPL") or None, metavar="DIR",
                     help="test the refserve package in DIR (a student copy from `python -m "
                          "refserve.course make-student DIR`) instead of this checkout's; "
                          "default: $REFSERVE_IMPL")
+    group.addoption("--grade-record", default=None, metavar="PATH",
+                    help="(for refserve/course_grade.py) record each test's outcome and "
+                         "first failure as JSON lines in PATH, under a deterministic "
+                         "Hypothesis profile")
 
 
 def use_implementation(impl: str) -> Path:
@@ -315,19 +320,36 @@ def restart_with_joined_impl(config) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "pytest", *joined])
 
 
-def check_grade_json(config) -> Path:
-    """--grade-json is writable: checked before the tests run, not after."""
-    path = Path(config.invocation_params.dir) / config.getoption("grade_json")
-    if path.is_dir():
-        raise pytest.UsageError(f"--grade-json {path}: is a folder; give a file path")
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`--grade`: the course grade (job 2) runs instead of a test session."""
+    if not config.getoption("grade"):
+        if config.getoption("exercise"):
+            raise pytest.UsageError("--exercise NAME goes with --grade")
+        return None
+    markexpr = " ".join(config.getoption("markexpr", "").split())
+    if markexpr not in ("", "not slow"):
+        raise pytest.UsageError(f"--grade with -m {markexpr!r}: the grade runs each exercise's "
+                                "not-slow tests; drop -m (one exercise: --exercise NAME)")
+    if config.args_source is pytest.Config.ArgsSource.ARGS:
+        raise pytest.UsageError(f"--grade with test paths {config.args}: the grade picks each "
+                                "exercise's tests itself; drop them (one exercise: "
+                                "--exercise NAME)")
+    from refserve import course_grade
+
+    # pyproject's pythonpath puts this checkout first: the grader must be the reference's.
+    here = Path(course_grade.__file__).resolve()
+    if not here.is_relative_to(config.rootpath):
+        raise pytest.UsageError(f"--grade: refserve was imported from {here.parent}, not from "
+                                f"this checkout {config.rootpath}")
+    impl = config.getoption("impl")
+    json_path = Path(config.invocation_params.dir) / config.getoption("grade_json")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise pytest.UsageError(f"--grade-json {path}: cannot create its folder "
-                                f"({e.strerror})") from None
-    if not os.access(path.parent, os.W_OK):
-        raise pytest.UsageError(f"--grade-json {path}: cannot write there (permission denied)")
-    return path
+        return course_grade.run(Path(impl) if impl else None, config.getoption("exercise"),
+                                json_path=json_path)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def pytest_configure(config):
@@ -340,9 +362,10 @@ def pytest_configure(config):
     for name, invariant in MECHANISMS.items():
         if name not in registered:
             config.addinivalue_line("markers", f"{name}: {invariant}")
-    if config.getoption("grade", False):
-        config.pluginmanager.register(Grader(config, check_grade_json(config)),
-                                      "refserve-grader")
+    record = config.getoption("grade_record", None)
+    if record:
+        load_grading_profile()
+        config.pluginmanager.register(Recorder(Path(record)), "refserve-grade-recorder")
 
 
 def pytest_report_header(config):
@@ -364,148 +387,143 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(marker)
 
 
-@dataclass
-class Row:
-    passed: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    blocked: list[str] = field(default_factory=list)
-    # Failed tests that fail only on an exercise stub, and those exercises (see "Not done").
-    not_done: dict[str, set[str]] = field(default_factory=dict)
+# ---- recording one exercise's run (job 3) ------------------------------------------------
 
-    def exercises_not_done(self) -> list[str]:
-        return sorted(set().union(*self.not_done.values())) if self.not_done else []
-
-    def only_not_done(self) -> bool:
-        return bool(self.failed) and all(t in self.not_done for t in self.failed)
-
-    def status(self) -> str:
-        if self.only_not_done():
-            return "FAIL: not done yet: " + ", ".join(self.exercises_not_done())
-        if self.failed:
-            return "FAIL"
-        if self.blocked and not self.passed:
-            return "blocked: no GPU"
-        if self.passed:
-            return "pass" + (" (some blocked: no GPU)" if self.blocked else "")
-        return "skipped" if self.skipped else "no tests"
-
-    def score(self) -> float | None:
-        graded = len(self.passed) + len(self.failed)
-        return None if graded == 0 else len(self.passed) / graded
-
-    def to_dict(self) -> dict:
-        return {"passed": len(self.passed), "failed": len(self.failed),
-                "skipped": len(self.skipped), "blocked": len(self.blocked),
-                "total": sum(map(len, (self.passed, self.failed, self.skipped, self.blocked))),
-                "score": self.score(), "status": self.status(),
-                "failed_tests": list(self.failed), "blocked_tests": list(self.blocked),
-                "not_done_tests": [t for t in self.failed if t in self.not_done],
-                "exercises_not_done": self.exercises_not_done()}
+# Deterministic (the same examples on every run, no example database carried between runs)
+# and one bug per test (no exception group); a slow machine is no reason to fail a student.
+GRADING_PROFILE = dict(derandomize=True, database=None, report_multiple_bugs=False,
+                       deadline=None, print_blob=False)
+_EXAMPLE_NOTE = re.compile(r"^(?:Falsifying (?:explicit )?example|Failing test case)s?:\s*")
+_NOTE_SECTION = re.compile(r"^(?:[A-Z][A-Za-z ]*:\s*(?:\n|$)|You can )")  # "Explanation:"
+# The message's first lines (an assert and pytest's "where" line, numpy's mismatch counts),
+# and the folded example, each cut to a length a terminal line can show.
+MAX_LINES, MAX_MESSAGE_CHARS, MAX_EXAMPLE_CHARS = 4, 240, 300
 
 
-class Grader:
-    """Collects one outcome per test, then scores each mechanism."""
+def load_grading_profile() -> None:
+    """Load GRADING_PROFILE before any test module is imported: a test's own @settings take
+    what they do not set from the profile loaded when the module runs."""
+    from hypothesis import HealthCheck, Phase, settings
 
-    def __init__(self, config, json_path: Path) -> None:
-        self.config = config
-        self.json_path = json_path
-        self.markers: dict[str, tuple[str, ...]] = {}
-        self.outcome: dict[str, str] = {}        # nodeid -> passed/failed/skipped/blocked
-        self.not_done: dict[str, set[str]] = {}  # failed nodeid -> exercises it shows
-        self.collection_errors: list[str] = []
-        self.graded = False
-        self.started = time.time()
-        self.rows: dict[str, Row] = {}
-        self.total = Row()
+    # No explain phase: its report is a list of source lines, and it costs a rerun.
+    phases = [Phase.explicit, Phase.generate, Phase.target, Phase.shrink]
+    settings.register_profile("refserve-grading", suppress_health_check=[HealthCheck.too_slow],
+                              phases=phases, **GRADING_PROFILE)
+    settings.load_profile("refserve-grading")
+
+
+def fold_example(text: str) -> str:
+    """A Hypothesis example (a call over several lines, or a state machine's steps) on one
+    line: `test_x(a=0, b=-50)`, `state = M(); state.add(k=2); ...`."""
+    out, depth = "", 0
+    for line in (re.sub(r"\s+# .*$", "", line).strip() for line in text.splitlines()):
+        if not line or line == "<state machine>":
+            continue
+        out += ("" if not out or out.endswith("(") else " " if depth else "; ") + line
+        depth += line.count("(") + line.count("[") - line.count(")") - line.count("]")
+    out = re.sub(r",\s*([)\]])", r"\1", out)
+    return out if len(out) <= MAX_EXAMPLE_CHARS else out[:MAX_EXAMPLE_CHARS - 4] + " ..."
+
+
+def plain_line(exc: BaseException) -> str:
+    """One line for a failure: the exception's type and its message's first lines joined
+    with "; ", then a Hypothesis falsifying example folded in. An exception group (several
+    bugs, or Hypothesis' flaky failure) is read through its first exception."""
+    flaky = ""
+    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:
+        if "Flaky" in type(exc).__name__:
+            flaky = " (it did not fail again when Hypothesis replayed it)"
+        exc = exc.exceptions[0]
+    lines = []
+    for text in (line.strip() for line in str(exc).splitlines()):
+        if text.startswith(("Full diff", "Use -v", "Omitting ")) or len(lines) == MAX_LINES:
+            break
+        if text:
+            lines.append(text)
+    message = ""
+    for text in lines:  # a line that ends in ":" introduces the next one
+        message += ("" if not message else " " if message.endswith(":") else "; ") + text
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS - 4] + " ..."
+    line = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    notes = list(getattr(exc, "__notes__", ()))
+    for i, note in enumerate(notes):
+        match = _EXAMPLE_NOTE.match(note)
+        if match:  # the example: this note and (a state machine's steps) the next ones
+            steps = [note[match.end():]]
+            for more in notes[i + 1:]:
+                if _NOTE_SECTION.match(more):
+                    break
+                steps.append(more)
+            line += f" (falsifying example: {fold_example(chr(10).join(steps))})"
+            break
+    return line + flaky
+
+
+def last_error_line(text: str) -> str:
+    """The last `E   ...` line of a pytest report (a collection error), else its last line."""
+    lines = [line.strip() for line in _ANSI.sub("", text).splitlines() if line.strip()]
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+    return (errors or lines or ["(no report)"])[-1]
+
+
+class Recorder:
+    """--grade-record PATH: what refserve/course_grade.py reads back from one exercise's
+    run, one JSON object a line, written as it happens (a run stopped by the grader's
+    timeout still says which test was running):
+
+        {"selected": N}                                        after collection
+        {"start": NODEID}                                      a test begins
+        {"test": NODEID, "outcome": O, "line": L, "not_done": [EXERCISE, ...]}
+        {"collect_error": NODEID, "line": L, "not_done": [...]}
+
+    O: passed, failed, skipped or blocked (a "no GPU" skip); L: the first failure of the
+    test in one plain line ("" unless failed); not_done: the exercise stubs it reached."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.open("a", buffering=1)
+        self.tests: dict[str, dict] = {}
+
+    def write(self, **event) -> None:
+        self.file.write(json.dumps(event) + "\n")
 
     def pytest_collectreport(self, report):
         if report.failed:
-            self.collection_errors.append(report.nodeid or "(the command line)")
+            text = report.longreprtext
+            self.write(collect_error=report.nodeid or "(the command line)",
+                       line=last_error_line(text), not_done=sorted(exercises_not_done(text)))
 
     def pytest_collection_finish(self, session):
-        for item in session.items:
-            self.markers[item.nodeid] = tuple(
-                dict.fromkeys(m.name for m in item.iter_markers() if m.name in MECHANISMS))
+        self.write(selected=len(session.items))
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.write(start=nodeid)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = yield
+        if report.failed and call.excinfo is not None:
+            report.plain_line = plain_line(call.excinfo.value)
+        return report
 
     def pytest_runtest_logreport(self, report):
+        test = self.tests.setdefault(report.nodeid, {"outcome": None, "line": "",
+                                                     "not_done": set()})
+        if report.failed and test["outcome"] != "failed":
+            test["outcome"] = "failed"
+            test["line"] = getattr(report, "plain_line", None) or last_error_line(
+                report.longreprtext)
         if report.failed:
-            self.outcome[report.nodeid] = "failed"
-            stubs = exercises_not_done(report.longreprtext)
-            if stubs:
-                self.not_done.setdefault(report.nodeid, set()).update(stubs)
-        elif report.skipped and self.outcome.get(report.nodeid) != "failed":
+            test["not_done"] |= exercises_not_done(report.longreprtext)
+        elif report.skipped and test["outcome"] is None:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
-            if hasattr(report, "wasxfail"):
-                self.outcome[report.nodeid] = "skipped"
-            else:
-                self.outcome[report.nodeid] = "blocked" if is_blocked(reason) else "skipped"
-        elif report.passed and report.when == "call":
-            self.outcome.setdefault(report.nodeid, "passed")
+            test["outcome"] = ("blocked" if is_blocked(reason) and not hasattr(report, "wasxfail")
+                               else "skipped")
+        elif report.passed and report.when == "call" and test["outcome"] is None:
+            test["outcome"] = "passed"
+        if report.when == "teardown":
+            self.write(test=report.nodeid, outcome=test["outcome"] or "passed",
+                       line=test["line"], not_done=sorted(test["not_done"]))
 
-    def pytest_sessionfinish(self, session, exitstatus):
-        if self.collection_errors or exitstatus in (
-                pytest.ExitCode.INTERRUPTED, pytest.ExitCode.INTERNAL_ERROR,
-                pytest.ExitCode.USAGE_ERROR):
-            # Some tests never ran: a grade would be a lie. An older grade.json would be
-            # read as this run's, so it goes too.
-            if self.json_path.is_file():
-                self.json_path.unlink()
-            return
-        self.graded = True
-        self.rows = {name: Row() for name in MECHANISMS}
-        self.rows["unmapped"] = Row()
-        for nodeid, outcome in self.outcome.items():
-            getattr(self.total, outcome).append(nodeid)
-            for name in self.markers.get(nodeid) or ("unmapped",):
-                getattr(self.rows[name], outcome).append(nodeid)
-        for nodeid, stubs in self.not_done.items():
-            for row in (self.total, *(self.rows[n] for n in
-                                      self.markers.get(nodeid) or ("unmapped",))):
-                row.not_done[nodeid] = stubs
-        report = {
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "duration_s": round(time.time() - self.started, 2),
-            "args": list(self.config.invocation_params.args),
-            "exit_status": int(exitstatus),
-            "gpu": _gpu_present(),
-            "refserve": str(Path(sys.modules["refserve"].__file__).resolve().parent)
-            if "refserve" in sys.modules else None,
-            "mechanisms": {name: {"invariant": MECHANISMS.get(name, "tests no rule maps"),
-                                  **row.to_dict()} for name, row in self.rows.items()},
-            "total": self.total.to_dict(),
-        }
-        self.json_path.parent.mkdir(parents=True, exist_ok=True)
-        self.json_path.write_text(json.dumps(report, indent=2) + "\n")
-
-    def pytest_terminal_summary(self, terminalreporter):
-        tr = terminalreporter
-        if not self.graded:
-            why = (f"{len(self.collection_errors)} collection error(s), shown above"
-                   if self.collection_errors else "the run did not finish")
-            tr.section("grade: not graded", red=True)
-            tr.write_line(f"not graded: {why}; some tests never ran. Fix it and run again "
-                          "(no grade table, no grade.json).", red=True)
-            return
-        tr.section("grade: one row per mechanism")
-        tr.write_line(f"{'mechanism':<17}{'passed':>7}{'failed':>7}{'skipped':>8}"
-                      f"{'blocked':>8}  status")
-        for name, row in [*self.rows.items(), ("TOTAL", self.total)]:
-            d = row.to_dict()
-            if name == "unmapped" and not d["total"]:
-                continue
-            tr.write_line(f"{name:<17}{d['passed']:>7}{d['failed']:>7}{d['skipped']:>8}"
-                          f"{d['blocked']:>8}  {d['status']}",
-                          red=bool(row.failed), green=row.status().startswith("pass"))
-        for name, row in self.rows.items():
-            if row.only_not_done():
-                tr.write_line(f"{name}: not done yet: exercise(s) "
-                              f"{', '.join(row.exercises_not_done())} still raise "
-                              "NotImplementedError")
-            elif row.failed:
-                tr.write_line(f"{name}: invariant broken: {MECHANISMS.get(name, 'unmapped')}")
-            for nodeid in row.failed:
-                stubs = row.not_done.get(nodeid)
-                tr.write_line(f"    {nodeid}" + (f"  (not done yet: {', '.join(sorted(stubs))})"
-                                                 if stubs else ""))
-        tr.write_line(f"wrote {self.json_path}")
+    def pytest_unconfigure(self, config):
+        self.file.close()
