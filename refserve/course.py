@@ -48,6 +48,7 @@ def make_student(dest: Path, only: list[str] | None = None, solutions: bool = Fa
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"{dest} already exists and is not an empty folder; give a new path")
     chosen = [] if solutions else [r for r in regions if only is None or r.name in only]
+    chosen.sort(key=_course_order)
 
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
     try:  # before any copying: a folder that cannot be made is one clear error
@@ -91,13 +92,19 @@ def _exercise_sheet(chosen: list[Region], dest: Path) -> str:
     return "\n".join(lines)
 
 
+def _course_order(region: Region) -> int:
+    """Course order (EXERCISES); a region without an entry comes last."""
+    order = list(EXERCISES)
+    return order.index(region.name) if region.name in EXERCISES else len(order)
+
+
 def _list() -> None:
-    for r in find_regions():
+    for r in sorted(find_regions(), key=_course_order):
         g = EXERCISES.get(r.name)
-        graded = (f"{' '.join(g.test_files)} -m \"{g.marker_expression}\"" if g
-                  else "(no grading entry)")
-        print(f"{r.name:<24} {str(r.path) + ':' + str(r.begin + 1):<44} {graded}")
+        print(f"{r.name:<24} {g.mechanism if g else '(not graded)':<17} {r.path}:{r.begin + 1}")
         print(f"{'':<24} hint: {r.hint}")
+        if g:
+            print(f"{'':<24} tests: {' '.join(g.test_files)} -m \"{g.marker_expression}\"")
     print("\nEach exercise is graded alone: its tests run against the reference with only "
           "that region taken from the copy, so no exercise depends on another.\n"
           f"Grade one: {grade_command(Path('DIR'), 'NAME')}\n"
