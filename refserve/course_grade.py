@@ -148,39 +148,76 @@ def plain_syntax_error(e: SyntaxError, ref: Region, student: Region, copy: Path)
     return f"SyntaxError: {e.msg} ({where})"
 
 
-def pytest_command(hybrid: Path, name: str, record: Path, basetemp: Path) -> list[str]:
-    """The exercise's selection against `hybrid`, in a pytest that loads only the grader:
-    the notebooks' plugin (nbmake) costs a second and a half to import and grades nothing
-    here, so pyproject's addopts are replaced."""
+def pytest_command(hybrid: Path, name: str, record: Path, basetemp: Path,
+                   shard: tuple[int, int] = (0, 1)) -> list[str]:
+    """The exercise's selection (shard i of n of it) against `hybrid`, in a pytest that
+    loads only the grader: the notebooks' plugin (nbmake) costs a second and a half to
+    import and grades nothing here, so pyproject's addopts are replaced."""
     grading = EXERCISES[name]
     return [sys.executable, "-m", "pytest", *grading.test_files,
             "-m", grading.marker_expression, "-o", "addopts=", "-p", "grading",
             "-p", "no:nbmake", "-p", "no:cacheprovider", "-x", "-q", "--tb=short",
-            f"--impl={hybrid}", f"--grade-record={record}", f"--basetemp={basetemp}"]
+            f"--impl={hybrid}", f"--grade-record={record}", f"--basetemp={basetemp}",
+            f"--grade-shard={shard[0]}/{shard[1]}"]
 
 
-def read_record(record: Path, row: Row, name: str) -> str | None:
-    """Fill `row` from the events of a --grade-record file; returns the last test started."""
-    started = None
-    events = [json.loads(line) for line in record.read_text().splitlines()
-              if line.strip()] if record.is_file() else []
-    for event in events:
-        if "selected" in event:
-            row.selected = event["selected"]
-        elif "start" in event:
-            started = event["start"]
-        elif "test" in event or "collect_error" in event:
-            outcome = event.get("outcome", "failed")
-            setattr(row, outcome, getattr(row, outcome) + 1)
-            if outcome == "failed" and row.failed_test is None:
-                row.failed_test = event.get("test") or event["collect_error"]
-                row.line = event["line"]
-                row.status = "not done yet" if name in event["not_done"] else "fail"
-    return started
+def read_records(records: list[Path], row: Row, name: str) -> list[str]:
+    """Fill `row` from the --grade-record files of an exercise's shards: counts summed, the
+    first failure in collection order (each shard stops at its own first, so the earliest
+    of those is the earliest of all). Returns the tests started and never finished."""
+    running: dict[str, None] = {}
+    first = None  # (index, event)
+    for record in records:
+        lines = record.read_text().splitlines() if record.is_file() else []
+        for event in map(json.loads, filter(str.strip, lines)):
+            if "selected" in event:
+                row.selected += event["selected"]
+            elif "start" in event:
+                running[event["start"]] = None
+            elif "test" in event or "collect_error" in event:
+                running.pop(event.get("test"), None)
+                outcome = event.get("outcome", "failed")
+                setattr(row, outcome, getattr(row, outcome) + 1)
+                index = event.get("index", -1)
+                if outcome == "failed" and (first is None or index < first[0]):
+                    first = (index, event)
+    if first is not None:
+        event = first[1]
+        row.failed_test = event.get("test") or event["collect_error"]
+        row.line = event["line"]
+        row.status = "not done yet" if name in event["not_done"] else "fail"
+    return list(running)
+
+
+def run_shards(commands: list[list[str]], workdir: Path, timeout_s: float
+               ) -> tuple[list[int], str]:
+    """Run the commands at once, from this checkout, each in its own process group; after
+    `timeout_s` all are killed (with their own subprocesses). Returns the exit statuses
+    (negative: killed) and the output, shard after shard."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REFSERVE_IMPL", "PYTHONPATH", "PYTEST_ADDOPTS")}
+    logs = [workdir / f"output{i}.txt" for i in range(len(commands))]
+    procs = []
+    for command, log in zip(commands, logs):
+        with log.open("w") as out:  # a file, not a pipe: a long report never blocks
+            procs.append(subprocess.Popen(command, cwd=SOURCE_ROOT, env=env, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.perf_counter() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            proc.wait()
+    return [proc.wait() for proc in procs], "".join(log.read_text() for log in logs)
 
 
 def grade_exercise(name: str, copy_dir: Path, student: Region, ref: Region,
-                   workdir: Path, timeout_s: float) -> Row:
+                   workdir: Path, timeout_s: float, shards: int = 1) -> Row:
+    """One exercise's row: not done yet (its stub, found without running anything), or its
+    tests run against the hybrid in `shards` pytest processes at once."""
     grading = EXERCISES[name]
     row = Row(name, grading.mechanism, test_files=grading.test_files,
               marker_expression=grading.marker_expression,
@@ -195,29 +232,22 @@ def grade_exercise(name: str, copy_dir: Path, student: Region, ref: Region,
     except SyntaxError as e:
         row.status, row.line = "fail", plain_syntax_error(e, ref, student, copy_dir)
         return row
-    record = workdir / "record.jsonl"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("REFSERVE_IMPL", "PYTHONPATH", "PYTEST_ADDOPTS")}
-    proc = subprocess.Popen(pytest_command(hybrid, name, record, workdir / "tmp"),
-                            cwd=SOURCE_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        row.output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the test's own subprocesses go too
-        row.output, _ = proc.communicate()
+    records = [workdir / f"record{i}.jsonl" for i in range(shards)]
+    commands = [pytest_command(hybrid, name, records[i], workdir / f"tmp{i}", (i, shards))
+                for i in range(shards)]
+    codes, row.output = run_shards(commands, workdir, timeout_s)
     row.duration_s = round(time.perf_counter() - started, 2)
-    last_started = read_record(record, row, name)
-    if proc.returncode < 0:  # killed: the timeout
+    running = read_records(records, row, name)
+    # 0: passed, 1: a test failed, 5: this shard selected no test (there are more shards).
+    odd = [code for code in codes if code not in (0, 1, 5)]
+    if any(code < 0 for code in codes):  # killed: the timeout
         row.status = "timed out"
-        row.line = f"timed out after {timeout_s:g} s" + (
-            f" in {last_started}" if last_started else "")
-    elif proc.returncode != 0 and row.failed_test is None:
+        row.line = f"timed out after {timeout_s:g} s" + (f" in {running[0]}" if running else "")
+    elif odd and row.failed_test is None:
         tail = [line for line in row.output.splitlines() if line.strip()]
         row.status = "fail"
-        row.line = f"pytest exited with status {proc.returncode}: " + (
-            tail[-1] if tail else "no output")
-    elif proc.returncode == 0 and row.selected == 0:
+        row.line = f"pytest exited with status {odd[0]}: " + (tail[-1] if tail else "no output")
+    elif row.failed_test is None and row.selected == 0:
         row.status, row.line = "fail", "no test selected (the EXERCISES entry is wrong)"
     return row
 
@@ -241,10 +271,13 @@ def grade(copy: Path | None, names: list[str] | None = None, jobs: int | None = 
     copy_dir = SOURCE_ROOT if copy is None else Path(copy).expanduser().resolve()
     student = check_copy(copy_dir, names, reference)
     jobs = jobs or default_jobs()
+    # Cores left over when there are fewer exercises than jobs split each one's tests.
+    shards = max(1, jobs // len(names))
     with tempfile.TemporaryDirectory(prefix="refserve-grade-") as tmp:
         def one(name: str) -> Row:
+            (Path(tmp) / name).mkdir()
             row = grade_exercise(name, copy_dir, student[name], reference[name],
-                                 Path(tmp) / name, timeout_s)
+                                 Path(tmp) / name, timeout_s, shards)
             if copy is None:
                 row.command = grade_command(None, name)
             if progress is not None:

@@ -259,6 +259,9 @@ def pytest_addoption(parser):
                     help="(for refserve/course_grade.py) record each test's outcome and "
                          "first failure as JSON lines in PATH, under a deterministic "
                          "Hypothesis profile")
+    group.addoption("--grade-shard", default="0/1", metavar="I/N",
+                    help="(with --grade-record) run only the selected tests whose index "
+                         "is I modulo N")
 
 
 def use_implementation(impl: str) -> Path:
@@ -365,7 +368,12 @@ def pytest_configure(config):
     record = config.getoption("grade_record", None)
     if record:
         load_grading_profile()
-        config.pluginmanager.register(Recorder(Path(record)), "refserve-grade-recorder")
+        shard, _, shards = config.getoption("grade_shard").partition("/")
+        if not (shard.isdigit() and shards.isdigit() and int(shard) < int(shards)):
+            raise pytest.UsageError(f"--grade-shard {config.getoption('grade_shard')}: "
+                                    "write I/N with 0 <= I < N")
+        config.pluginmanager.register(Recorder(Path(record), int(shard), int(shards)),
+                                      "refserve-grade-recorder")
 
 
 def pytest_report_header(config):
@@ -398,6 +406,7 @@ _NOTE_SECTION = re.compile(r"^(?:[A-Z][A-Za-z ]*:\s*(?:\n|$)|You can )")  # "Exp
 # The message's first lines (an assert and pytest's "where" line, numpy's mismatch counts),
 # and the folded example, each cut to a length a terminal line can show.
 MAX_LINES, MAX_MESSAGE_CHARS, MAX_EXAMPLE_CHARS = 4, 240, 300
+GRADE_INDEX = pytest.StashKey[int]()  # a test's place in the selection, before sharding
 
 
 def load_grading_profile() -> None:
@@ -474,14 +483,16 @@ class Recorder:
 
         {"selected": N}                                        after collection
         {"start": NODEID}                                      a test begins
-        {"test": NODEID, "outcome": O, "line": L, "not_done": [EXERCISE, ...]}
+        {"test": NODEID, "index": I, "outcome": O, "line": L, "not_done": [EXERCISE, ...]}
         {"collect_error": NODEID, "line": L, "not_done": [...]}
 
+    I: the test's place in the selection (`--grade-shard I/N` runs every Nth from I);
     O: passed, failed, skipped or blocked (a "no GPU" skip); L: the first failure of the
     test in one plain line ("" unless failed); not_done: the exercise stubs it reached."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, shard: int = 0, shards: int = 1) -> None:
         self.file = path.open("a", buffering=1)
+        self.shard, self.shards = shard, shards
         self.tests: dict[str, dict] = {}
 
     def write(self, **event) -> None:
@@ -493,6 +504,15 @@ class Recorder:
             self.write(collect_error=report.nodeid or "(the command line)",
                        line=last_error_line(text), not_done=sorted(exercises_not_done(text)))
 
+    @pytest.hookimpl(trylast=True)  # after -m has deselected: shards split what is left
+    def pytest_collection_modifyitems(self, config, items):
+        for index, item in enumerate(items):
+            item.stash[GRADE_INDEX] = index
+        if self.shards > 1:
+            config.hook.pytest_deselected(items=[item for i, item in enumerate(items)
+                                                 if i % self.shards != self.shard])
+            items[:] = items[self.shard::self.shards]
+
     def pytest_collection_finish(self, session):
         self.write(selected=len(session.items))
 
@@ -502,6 +522,7 @@ class Recorder:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item, call):
         report = yield
+        report.grade_index = item.stash.get(GRADE_INDEX, -1)
         if report.failed and call.excinfo is not None:
             report.plain_line = plain_line(call.excinfo.value)
         return report
@@ -522,8 +543,9 @@ class Recorder:
         elif report.passed and report.when == "call" and test["outcome"] is None:
             test["outcome"] = "passed"
         if report.when == "teardown":
-            self.write(test=report.nodeid, outcome=test["outcome"] or "passed",
-                       line=test["line"], not_done=sorted(test["not_done"]))
+            self.write(test=report.nodeid, index=getattr(report, "grade_index", -1),
+                       outcome=test["outcome"] or "passed", line=test["line"],
+                       not_done=sorted(test["not_done"]))
 
     def pytest_unconfigure(self, config):
         self.file.close()

@@ -187,6 +187,10 @@ def test_one_correct_one_wrong_one_blank_exercise_each_reads_on_its_own_row(tmp_
     assert wrong["line"] == "Failed: DID NOT RAISE ValueError", wrong["line"]
     assert f"    {wrong['failed_test']}: {wrong['line']}" in proc.stdout.splitlines()
     assert rows["blocks_for_tokens"]["status"] == "not done yet"
+    # One exercise alone on 2 cores: its tests split in two processes, and the failure
+    # reported is still the first in collection order.
+    (sharded,) = course_grade.grade(dest, ["allocator_decref"], jobs=2)
+    assert (sharded.failed_test, sharded.line) == (wrong["failed_test"], wrong["line"])
     # This checkout graded the same way: its own regions pass.
     (row,) = course_grade.grade(None, ["append_rule"])
     assert row.status == "pass" and row.command == course_grade.grade_command(None,

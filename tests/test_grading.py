@@ -2,15 +2,12 @@
 exercise grader reads (`--grade-record`), its one plain line per failure, and `--grade`'s
 hand-over to refserve/course_grade.py. Run by pytester on small generated test folders."""
 
+import builtins
 import json
-import sys
 from pathlib import Path
 
 import grading
 import pytest
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import ExceptionGroup  # a Hypothesis dependency before 3.11
 
 pytest_plugins = ["pytester"]
 
@@ -169,13 +166,13 @@ def test_setup_error(broken):
 """
 
 
-def record(pytester, name):
+def record(pytester, name, *args):
     """Run RECORDED with --grade-record (a subprocess: the grading profile it loads is
     process-wide). Returns the events."""
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_recorded=RECORDED)
     path = pytester.path / name
-    run_isolated(pytester, f"--grade-record={path}", "-p", "no:cacheprovider")
+    run_isolated(pytester, f"--grade-record={path}", "-p", "no:cacheprovider", *args)
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -213,8 +210,23 @@ def test_the_record_is_the_same_on_every_run(pytester):
     assert record(pytester, "second.jsonl") == first
 
 
+def test_shards_split_the_selection_and_keep_each_test_s_place(pytester):
+    """`--grade-shard I/N`: every Nth test from I; together the shards run each selected
+    test once, and each event keeps the test's place in the whole selection."""
+    whole = [e for e in record(pytester, "whole.jsonl", "-k", "not setup_error")
+             if "test" in e]
+    shards = [record(pytester, f"shard{i}.jsonl", "-k", "not setup_error",
+                     f"--grade-shard={i}/2") for i in range(2)]
+    assert [e["selected"] for e, *_ in shards] == [4, 3]
+    tests = sorted((e for events in shards for e in events if "test" in e),
+                   key=lambda e: e["index"])
+    assert tests == whole and [e["index"] for e in whole] == list(range(7))
+    assert [e["index"] for e in shards[1] if "test" in e] == [1, 3, 5]
+
+
+@pytest.mark.skipif(not hasattr(builtins, "ExceptionGroup"), reason="Python 3.11's builtin")
 def test_plain_line_reads_an_exception_group_through_its_first_exception():
-    group = ExceptionGroup("2 distinct failures", [AssertionError("assert 2 == 1"),
+    group = builtins.ExceptionGroup("2 distinct failures", [AssertionError("assert 2 == 1"),
                                                      ValueError("other")])
     assert grading.plain_line(group) == "AssertionError: assert 2 == 1"
 
