@@ -20,6 +20,9 @@ same one: a row per mechanism would mix them). A row's status:
 
 The tests run stopped at the first failure (`-x`) with a deterministic Hypothesis profile
 that reports one bug (tests/grading.py, `--grade-record`), so a grade repeats exactly.
+Exercises run `jobs` at a time (one per core, at most 4); with fewer exercises than jobs,
+each one's selection is split into shards run at once (`--grade-shard`), and the failure
+reported is still the first in collection order.
 
 grade.json (`--grade-json`): `created`, `duration_s`, `copy` (the graded folder; null for
 this checkout), `reference` (this checkout), `jobs`, `timeout_s`, `exit_status` (0 when
@@ -79,7 +82,7 @@ class Row:
         if self.status == "timed out":
             return f"timed out after {timeout_s:g} s"
         if self.status == "pass" and self.blocked:
-            return "pass (some blocked: no GPU)"
+            return "pass (some blocked: no GPU)" if self.passed else "blocked: no GPU"
         return "FAIL" if self.status == "fail" else self.status
 
 

@@ -6,6 +6,7 @@ import builtins
 import json
 from pathlib import Path
 
+import grade_record
 import grading
 import pytest
 
@@ -17,7 +18,8 @@ CONFTEST = 'pytest_plugins = ["grading"]\n'
 def run_isolated(pytester, *args):
     """Run in a fresh process with its own copy of the plugin: the generated files reuse
     real module names (test_scheduler.py ...) that this process has already imported."""
-    pytester.makepyfile(grading=Path(grading.__file__).read_text())
+    pytester.makepyfile(grading=Path(grading.__file__).read_text(),
+                        grade_record=Path(grade_record.__file__).read_text())
     return pytester.runpytest_subprocess("-p", "no:nbmake", *args)  # nbmake: 1.5 s of import
 
 
@@ -91,7 +93,7 @@ def test_rules_map_the_course_modules(module, name, expected):
     ("this machine has cupy and a CUDA GPU", False),
 ])
 def test_blocked_means_a_gpu_skip_reason(reason, blocked):
-    assert grading.is_blocked(reason) is blocked
+    assert grade_record.is_blocked(reason) is blocked
 
 
 def test_pyproject_registers_exactly_the_graded_mechanisms():
@@ -228,7 +230,7 @@ def test_shards_split_the_selection_and_keep_each_test_s_place(pytester):
 def test_plain_line_reads_an_exception_group_through_its_first_exception():
     group = builtins.ExceptionGroup("2 distinct failures", [AssertionError("assert 2 == 1"),
                                                      ValueError("other")])
-    assert grading.plain_line(group) == "AssertionError: assert 2 == 1"
+    assert grade_record.plain_line(group) == "AssertionError: assert 2 == 1"
 
 
 def test_plain_line_folds_the_falsifying_example_and_drops_the_rest():
@@ -237,23 +239,23 @@ def test_plain_line_folds_the_falsifying_example_and_drops_the_rest():
     exc.__notes__ = ["Falsifying example: test_x(\n    a=1,\n    b=[1,\n     2],\n)",
                      "Draw 1: 0  # or any other generated value",
                      "Explanation:\n    These lines were always and only run by failing cases"]
-    assert grading.plain_line(exc) == (
+    assert grade_record.plain_line(exc) == (
         "AssertionError: blocks leaked; assert 3 == 2; +  where 3 = len([1, 2, 3]) "
         "(falsifying example: test_x(a=1, b=[1, 2]); Draw 1: 0)")
-    assert grading.plain_line(NotImplementedError()) == "NotImplementedError"
+    assert grade_record.plain_line(NotImplementedError()) == "NotImplementedError"
 
 
 def test_fold_example_writes_state_machine_steps_on_one_line():
-    assert grading.fold_example("<state machine>\nstate = M()\nstate.add(k=2)\n"
+    assert grade_record.fold_example("<state machine>\nstate = M()\nstate.add(k=2)\n"
                                 "state.check()") == "state = M(); state.add(k=2); state.check()"
-    long = grading.fold_example("test_x(\n" + "a=1,\n" * 200 + ")")
-    assert len(long) == grading.MAX_EXAMPLE_CHARS and long.endswith(" ...")
+    long = grade_record.fold_example("test_x(\n" + "a=1,\n" * 200 + ")")
+    assert len(long) == grade_record.MAX_EXAMPLE_CHARS and long.endswith(" ...")
 
 
 def test_last_error_line_of_a_collection_error():
     text = "ImportError while importing\n\x1b[31mE   ModuleNotFoundError: No module x\x1b[0m\n"
-    assert grading.last_error_line(text) == "ModuleNotFoundError: No module x"
-    assert grading.last_error_line("just text\nlast\n") == "last"
+    assert grade_record.last_error_line(text) == "ModuleNotFoundError: No module x"
+    assert grade_record.last_error_line("just text\nlast\n") == "last"
 
 
 # ---- --grade hands the command to the course grader -----------------------------------------
@@ -286,11 +288,12 @@ def test_impl_with_a_space_is_joined(args, joined):
 
 
 def test_exercise_stubs_are_read_from_failure_reports():
-    assert grading.exercises_not_done(
+    assert grade_record.exercises_not_done(
         "E   NotImplementedError: exercise append_rule: blocks needed") == {"append_rule"}
-    assert grading.exercises_not_done(
+    assert grade_record.exercises_not_done(
         "\x1b[0;31mNotImplementedError\x1b[0m: exercise blocks_for_tokens: ceil") == \
         {"blocks_for_tokens"}
-    assert grading.exercises_not_done("raise NotImplementedError('exercise a_b: x')") == {"a_b"}
-    assert grading.exercises_not_done("AssertionError: 3 != 4") == set()
-    assert grading.exercises_not_done("NotImplementedError: contiguous layout") == set()
+    assert grade_record.exercises_not_done(
+        "raise NotImplementedError('exercise a_b: x')") == {"a_b"}
+    assert grade_record.exercises_not_done("AssertionError: 3 != 4") == set()
+    assert grade_record.exercises_not_done("NotImplementedError: contiguous layout") == set()
