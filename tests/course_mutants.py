@@ -261,6 +261,28 @@ if len(rejected) > 0:
         q_j = draft_probs[rejected, jr]
     weights[rejected] = residual_weights(p_j, q_j)
 """),
+        ("the residual p - q without max(0, .): negative weights", """\
+p_x = np.take_along_axis(target_probs[:, :k], x[..., None], axis=-1)[..., 0]
+if draft_probs is None:
+    q_x = np.ones((batch, k))
+else:
+    q_x = np.take_along_axis(draft_probs, x[..., None], axis=-1)[..., 0]
+u = np.asarray(accept_uniforms, dtype=np.float64)
+passes = (u * q_x.astype(np.float64) < p_x.astype(np.float64)) & is_draft
+num_accepted = np.cumprod(passes, axis=1).sum(axis=1).astype(np.int64)
+j = num_accepted
+weights = target_probs[rows, j].astype(np.float64)
+rejected = np.flatnonzero(num_accepted < num_draft)
+if len(rejected) > 0:
+    jr = j[rejected]
+    p_j = weights[rejected]
+    if draft_probs is None:
+        q_j = np.zeros_like(p_j)
+        q_j[np.arange(len(rejected)), draft_token_ids[rejected, jr]] = 1.0
+    else:
+        q_j = draft_probs[rejected, jr]
+    weights[rejected] = p_j - q_j
+"""),
     ],
     "ngram_proposal": [
         ("the oldest match instead of the most recent", """\
