@@ -62,6 +62,8 @@ STATUSES = ("pass", "fail", "not done yet", "timed out")
 
 @dataclass
 class Row:
+    """One exercise's grade (the fields of grade.json's `exercises` entries)."""
+
     exercise: str
     mechanism: str
     status: str = "pass"
@@ -128,7 +130,8 @@ def check_copy(copy: Path, names: list[str], reference: dict[str, Region]) -> di
             raise ValueError(
                 f"{copy}: exercise {name} has no region (the reference has it in "
                 f"{reference[name].path}); put back the lines '# BEGIN EXERCISE {name}: ...' "
-                "and '# END EXERCISE' around your code")
+                "and '# END EXERCISE' around your code (a copy older than the exercise: "
+                "copy the region from the reference)")
     return regions
 
 
@@ -144,6 +147,7 @@ def build_hybrid(dest: Path, ref: Region, body: list[str], indent: str) -> Path:
 
 
 def plain_syntax_error(e: SyntaxError, ref: Region, student: Region, copy: Path) -> str:
+    """The error at its line in the student's file (the hybrid's line moved back)."""
     offset = (e.lineno or 0) - 1 - (ref.begin + 1)  # lines into the region body
     where = copy / student.path
     if 0 <= offset < student.end - student.begin - 1:
@@ -266,7 +270,7 @@ def grade(copy: Path | None, names: list[str] | None = None, jobs: int | None = 
     """One row per exercise in `names` (default: all, in course order) of the student copy
     `copy` (None: this checkout, whose own regions all pass). Raises ValueError on a bad
     copy or name, before any test runs."""
-    names = list(names or EXERCISES)
+    names = list(dict.fromkeys(names or EXERCISES))  # a name given twice is graded once
     unknown = [n for n in names if n not in EXERCISES]
     if unknown:
         raise ValueError(f"unknown exercise(s) {unknown}; known: {', '.join(EXERCISES)}")
@@ -337,7 +341,7 @@ def run(copy: Path | None, names: list[str] | None = None, jobs: int | None = No
     if timeout_s <= 0:
         raise ValueError(f"--timeout {timeout_s:g}: must be > 0 seconds")
     jobs = jobs or default_jobs()
-    names = list(names or EXERCISES)
+    names = list(dict.fromkeys(names or EXERCISES))
     started = time.perf_counter()
     with tqdm(total=len(names), desc="grading", unit="exercise", file=sys.stderr,
               leave=False, disable=None) as bar:
