@@ -84,7 +84,7 @@ def plain_line(exc: BaseException) -> str:
             flaky = " (it did not fail again when Hypothesis replayed it)"
         exc = exc.exceptions[0]
     lines = []
-    for text in (line.strip() for line in str(exc).splitlines()):
+    for text in (" ".join(line.split()) for line in str(exc).splitlines()):
         if text.startswith(("Full diff", "Use -v", "Omitting ")) or len(lines) == MAX_LINES:
             break
         if text:

@@ -245,7 +245,7 @@ def pytest_addoption(parser):
 
 
 def use_implementation(impl: str) -> Path:
-    """Make `import refserve` load DIR/refserve (see the module docstring, job 4). Returns the
+    """Make `import refserve` load DIR/refserve (see the module docstring, job 5). Returns the
     package folder; raises pytest.UsageError if that cannot be guaranteed."""
     root = Path(impl).expanduser().resolve()
     package = root / "refserve"
@@ -267,12 +267,18 @@ def use_implementation(impl: str) -> Path:
     return package
 
 
+# The plugin's options that take a value: pytest takes a separate value for a test path
+# (an existing path even moves the rootdir) before the plugin has defined them.
+JOINED_OPTIONS = ("--impl", "--grade-json", "--exercise")
+
+
 def join_impl_args(args: list[str]) -> list[str]:
-    """['--impl', 'DIR', ...] -> ['--impl=DIR', ...]: the form pytest cannot misread."""
+    """['--impl', 'DIR', ...] -> ['--impl=DIR', ...] (and the other JOINED_OPTIONS): the
+    form pytest cannot misread."""
     out, i = [], 0
     while i < len(args):
-        if args[i] == "--impl" and i + 1 < len(args):
-            out.append(f"--impl={args[i + 1]}")
+        if args[i] in JOINED_OPTIONS and i + 1 < len(args):
+            out.append(f"{args[i]}={args[i + 1]}")
             i += 2
         else:
             out.append(args[i])
@@ -287,14 +293,15 @@ def pytest_load_initial_conftests(early_config, parser, args):
 
 def restart_with_joined_impl(config) -> None:
     """`--impl DIR` with a space: run the same command again as `--impl=DIR` (see the
-    module docstring, job 4), before any conftest or test is loaded from the wrong root."""
+    module docstring, job 5), before any conftest or test is loaded from the wrong root."""
     given = list(config.invocation_params.args)
     joined = join_impl_args(given)
     if joined == given:
         return
     if sys.argv[1:] != given:  # pytest.main() inside another program: cannot restart it
         raise pytest.UsageError("write --impl=DIR (with '='): pytest reads the DIR of "
-                                "'--impl DIR' as a test path before this option exists")
+                                "'--impl DIR' as a test path before this option exists "
+                                "(--grade-json and --exercise too)")
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:  # give the terminal back: it is redirected while this runs
         capture.stop_global_capturing()

@@ -240,7 +240,7 @@ def test_plain_line_folds_the_falsifying_example_and_drops_the_rest():
                      "Draw 1: 0  # or any other generated value",
                      "Explanation:\n    These lines were always and only run by failing cases"]
     assert grade_record.plain_line(exc) == (
-        "AssertionError: blocks leaked; assert 3 == 2; +  where 3 = len([1, 2, 3]) "
+        "AssertionError: blocks leaked; assert 3 == 2; + where 3 = len([1, 2, 3]) "
         "(falsifying example: test_x(a=1, b=[1, 2]); Draw 1: 0)")
     assert grade_record.plain_line(NotImplementedError()) == "NotImplementedError"
 
@@ -282,6 +282,8 @@ def test_grade_refuses_what_it_cannot_honour(pytester, args, message):
     (["--impl", "/s", "-m", "not slow"], ["--impl=/s", "-m", "not slow"]),
     (["--impl=/s", "--grade"], ["--impl=/s", "--grade"]),
     (["-q", "--impl"], ["-q", "--impl"]),
+    (["--grade", "--grade-json", "g.json", "--exercise", "x"],
+     ["--grade", "--grade-json=g.json", "--exercise=x"]),
 ])
 def test_impl_with_a_space_is_joined(args, joined):
     assert grading.join_impl_args(args) == joined
