@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grading
 import pytest
-from course_mutants import MUTANTS
+from course_mutants import MUTANTS, mutate
 
 from refserve import course, course_grade
 from refserve.course_exercises import find_regions, replace_body
@@ -40,6 +40,15 @@ def put_body(copy: Path, name: str, body: str) -> None:
     region = {r.name: r for r in find_regions(copy / "refserve")}[name]
     path = copy / region.path
     path.write_text(replace_body(path.read_text(), region, body.splitlines(keepends=True), ""))
+
+
+def put_mistake(copy: Path, name: str, old: str, new: str) -> None:
+    """Edit exercise `name`'s region of `copy` (a copy of the reference's) into a mistake
+    (tests/course_mutants.py)."""
+    region = {r.name: r for r in find_regions(copy / "refserve")}[name]
+    lines = (copy / region.path).read_text().splitlines(keepends=True)
+    body = "".join(line.removeprefix(region.indent) for line in region.body(lines))
+    put_body(copy, name, mutate(body, old, new))
 
 
 def rows_by_name(rows) -> dict[str, course_grade.Row]:
@@ -168,8 +177,9 @@ def test_one_correct_one_wrong_one_blank_exercise_each_reads_on_its_own_row(tmp_
     though the allocator and blocks_for_tokens it sits beside are not right, the wrong one
     fails with its assertion in one line, the blank one is not done yet."""
     dest = tmp_path / "student"
-    course.make_student(dest, only=[n for n in course.EXERCISES if n != "append_rule"])
-    put_body(dest, "allocator_decref", MUTANTS["allocator_decref"][0][1])
+    course.make_student(dest, only=[n for n in course.EXERCISES
+                                    if n not in ("append_rule", "allocator_decref")])
+    put_mistake(dest, "allocator_decref", *MUTANTS["allocator_decref"][0][1:])
     names = ["append_rule", "allocator_decref", "blocks_for_tokens"]
     proc = subprocess.run([sys.executable, "-m", "refserve.course", "grade", str(dest),
                            *(f"--exercise={n}" for n in names), "--grade-json",
@@ -321,8 +331,11 @@ def test_every_wrong_body_fails_its_own_row_in_plain_words_and_no_other(tmp_path
     for k, wrong in enumerate(rounds):
         dest = tmp_path / f"round{k}"
         course.make_student(dest, solutions=True)
-        for name, (_, body) in wrong.items():
-            put_body(dest, name, body)
+        for name, (_, old, new) in wrong.items():
+            try:
+                put_mistake(dest, name, old, new)
+            except ValueError as e:
+                problems.append(f"round {k}, {name}: {e}; update tests/course_mutants.py")
         for row in course_grade.grade(dest, None if k < 4 else list(wrong)):
             what = f"round {k}, {row.exercise}"
             if row.exercise not in wrong:
