@@ -56,7 +56,8 @@ from pathlib import Path
 import pytest
 from grade_record import Recorder, load_grading_profile
 
-# Every mechanism the course grades, and the invariant a failing test says was broken.
+# Every mechanism marker, and the invariant its tests check. The course's exercises are
+# graded under some of them (refserve/course_exercises.py, EXERCISES).
 MECHANISMS: dict[str, str] = {
     "capacity": "KV bytes per token, blocks for N tokens, pool size and max concurrency "
                 "follow the capacity formulas",
