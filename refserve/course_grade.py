@@ -168,13 +168,14 @@ def pytest_command(hybrid: Path, name: str, record: Path, basetemp: Path,
             f"--grade-shard={shard[0]}/{shard[1]}"]
 
 
-def read_records(records: list[Path], row: Row, name: str) -> list[str]:
+def read_records(records: list[Path], row: Row, name: str) -> tuple[list[str], int | None]:
     """Fill `row` from the --grade-record files of an exercise's shards: counts summed, the
     first failure in collection order (each shard stops at its own first, so the earliest
-    of those is the earliest of all). Returns the tests started and never finished."""
+    of those is the earliest of all). Returns the tests started and never finished, and
+    the shard of the first failure (None: no failure)."""
     running: dict[str, None] = {}
-    first = None  # (index, event)
-    for record in records:
+    first = None  # (index, event, shard)
+    for shard, record in enumerate(records):
         lines = record.read_text().splitlines() if record.is_file() else []
         for event in map(json.loads, filter(str.strip, lines)):
             if "selected" in event:
@@ -187,20 +188,21 @@ def read_records(records: list[Path], row: Row, name: str) -> list[str]:
                 setattr(row, outcome, getattr(row, outcome) + 1)
                 index = event.get("index", -1)
                 if outcome == "failed" and (first is None or index < first[0]):
-                    first = (index, event)
-    if first is not None:
-        event = first[1]
-        row.failed_test = event.get("test") or event["collect_error"]
-        row.line = event["line"]
-        row.status = "not done yet" if name in event["not_done"] else "fail"
-    return list(running)
+                    first = (index, event, shard)
+    if first is None:
+        return list(running), None
+    index, event, shard = first
+    row.failed_test = event.get("test") or event["collect_error"]
+    row.line = event["line"]
+    row.status = "not done yet" if name in event["not_done"] else "fail"
+    return list(running), shard
 
 
 def run_shards(commands: list[list[str]], workdir: Path, timeout_s: float
-               ) -> tuple[list[int], str]:
+               ) -> tuple[list[int], list[str]]:
     """Run the commands at once, from this checkout, each in its own process group; after
     `timeout_s` all are killed (with their own subprocesses). Returns the exit statuses
-    (negative: killed) and the output, shard after shard."""
+    (negative: killed) and the outputs."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("REFSERVE_IMPL", "PYTHONPATH", "PYTEST_ADDOPTS")}
     logs = [workdir / f"output{i}.txt" for i in range(len(commands))]
@@ -218,7 +220,7 @@ def run_shards(commands: list[list[str]], workdir: Path, timeout_s: float
                 if other.poll() is None:
                     os.killpg(other.pid, signal.SIGKILL)
             proc.wait()
-    return [proc.wait() for proc in procs], "".join(log.read_text() for log in logs)
+    return [proc.wait() for proc in procs], [log.read_text() for log in logs]
 
 
 def grade_exercise(name: str, copy_dir: Path, student: Region, ref: Region,
@@ -242,9 +244,10 @@ def grade_exercise(name: str, copy_dir: Path, student: Region, ref: Region,
     records = [workdir / f"record{i}.jsonl" for i in range(shards)]
     commands = [pytest_command(hybrid, name, records[i], workdir / f"tmp{i}", (i, shards))
                 for i in range(shards)]
-    codes, row.output = run_shards(commands, workdir, timeout_s)
+    codes, outputs = run_shards(commands, workdir, timeout_s)
     row.duration_s = round(time.perf_counter() - started, 2)
-    running = read_records(records, row, name)
+    running, failed_shard = read_records(records, row, name)
+    row.output = outputs[failed_shard] if failed_shard is not None else "".join(outputs)
     # 0: passed, 1: a test failed, 5: this shard selected no test (there are more shards).
     odd = [code for code in codes if code not in (0, 1, 5)]
     if any(code < 0 for code in codes):  # killed: the timeout

@@ -183,7 +183,7 @@ def test_one_correct_one_wrong_one_blank_exercise_each_reads_on_its_own_row(tmp_
     names = ["append_rule", "allocator_decref", "blocks_for_tokens"]
     proc = subprocess.run([sys.executable, "-m", "refserve.course", "grade", str(dest),
                            *(f"--exercise={n}" for n in names), "--grade-json",
-                           str(tmp_path / "g.json")],
+                           str(tmp_path / "g.json"), "-v"],
                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -196,6 +196,10 @@ def test_one_correct_one_wrong_one_blank_exercise_each_reads_on_its_own_row(tmp_
         "tests/test_block_allocator.py::")
     assert wrong["line"] == "Failed: DID NOT RAISE ValueError", wrong["line"]
     assert f"    {wrong['failed_test']}: {wrong['line']}" in proc.stdout.splitlines()
+    # -v: pytest's own report of the rows that do not pass, after the table.
+    report = proc.stdout.split("---- allocator_decref: pytest's report ----\n")[1]
+    assert wrong["failed_test"].split("::")[1] in report
+    assert "---- append_rule:" not in proc.stdout
     assert rows["blocks_for_tokens"]["status"] == "not done yet"
     # One exercise alone on 2 cores: its tests split in two processes, and the failure
     # reported is still the first in collection order.
