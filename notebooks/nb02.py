@@ -8,23 +8,19 @@ A serving engine repeats one step. `LLMEngine.step()` in `refserve/engine.py` is
 stages, and nothing else; this notebook runs them **one cell each, with exactly the calls
 `step()` makes**, on the embedded SmolLM2-135M and a deliberately tiny KV pool, so that
 admission, chunked prefill, retirement and preemption all happen within a dozen steps. Each
-stage hands its result to the next as a value:
-
-```
-proposals = engine.propose()                       # speculative drafts ({} without)
-out       = scheduler.schedule(proposals)          # who computes which tokens: admit / advance / preempt
-inputs    = runner.prepare(out)                    # the flat batch + attention metadata
-runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)   # swaps, copy-on-write
-logits    = runner.forward(inputs)                 # per layer: write_kv, paged_attention
-sampled   = engine.sample(out, logits, proposals)  # one token per sampling row
-update    = scheduler.update(out, sampled)         # append under the stop rules, retire, release
-outputs   = engine.finish_step(out, sampled, update)   # metrics, times, RequestOutputs
-```
+stage hands its result to the next as a value. The listing of the stages belongs to
+`refserve/engine.py` (its module docstring); the first cell prints it from there.
 
 * WARMUP.md §1 (the step), §6 (iteration- vs request-level batching), §7 (chunked prefill,
   preemption)
 * code: `refserve/engine.py`, `refserve/scheduler/`, `refserve/model_runner.py`
 * grading: `pytest -m scheduler`, `-m chunked_prefill`, `-m preemption`, `-m engine`
+"""),
+    ("code", r"""
+import refserve.engine
+
+# The step's eight stages, as refserve/engine.py lists them (the one place they are written).
+print("\n\n".join(refserve.engine.__doc__.split("\n\n")[1:3]))
 """),
     ("code", r"""
 import time
@@ -286,8 +282,9 @@ def slot_steps(engine, workload):
     return np.array(rows), texts_out
 
 
-continuous, texts_continuous = slot_steps(LLM(**POOL, progress=False).llm_engine, texts)
-static, texts_static = slot_steps(LLM(**POOL, batching="static", progress=False).llm_engine, texts)
+reference = dict(POOL, backend="numpy", progress=False)
+continuous, texts_continuous = slot_steps(LLM(**reference).llm_engine, texts)
+static, texts_static = slot_steps(LLM(**reference, batching="static").llm_engine, texts)
 print("same text under both schedulers:", texts_continuous == texts_static)
 
 fig, axes = plt.subplots(1, 2, figsize=(12, 3), sharey=True)

@@ -163,8 +163,10 @@ configs = {
     "self-draft k=4": {"method": "draft_model", "num_speculative_tokens": 4,
                        "model": "self", "num_draft_layers": 8},
 }
+# The tuned CPU backend, as a user runs it: the cells below time the engines, and the counted
+# columns are the reference's too (tests/test_backend_equality_cpu.py proves the two equal).
 engines = {name: LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=spec,
-                     progress=False) for name, spec in configs.items()}
+                     backend="cpu", progress=False) for name, spec in configs.items()}
 """),
     ("code", r"""
 counted, seconds = {}, {key: [] for key in
@@ -203,7 +205,14 @@ layers of a 135M model are a weak draft: when a request's acceptance stays too l
 refserve's adaptive rule (`"adaptive": true`, the default) stops speculating for it. The wall
 times follow the passes only where the gap in passes is large; where the counts are equal, a
 difference in the medians that the min–max ranges cover is noise. WARMUP.md §9 turns α, k
-and c into the speedup `(1 − α^(k+1)) / ((1 − α)(1 + c·k))`, and the "speculative decoding
-made it worse" war story.
+and c into the speedup `(1 − α^(k+1)) / ((1 − α)(1 + c·k))`. Mind the two acceptance numbers:
+α is the per-token acceptance probability of that formula, while the engine counts the draft
+acceptance rate, accepted / proposed drafts, which is lower (drafts after a rejection are
+proposed but never tested).
+
+The "speculative decoding made it worse" war story is one command on this model (about a
+minute on 2 cores: a weak draft with the adaptive rule off, against n-gram on quotes, with
+the wall-clock speedups): `python -m refserve.war_stories speculation`. At full size, on the
+simulator: `python -m refserve.war_stories speculation-sim` (notebook 04 runs it).
 """),
 ]

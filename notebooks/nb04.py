@@ -104,7 +104,7 @@ print(f"blocks per request at its peak: {peak} -> {sum(peak)} together, pool {PO
 
 def replay(max_num_seqs):
     llm = LLM(num_gpu_blocks_override=POOL_BLOCKS, block_size=BLOCK, max_model_len=128,
-              max_num_seqs=max_num_seqs, progress=False)
+              max_num_seqs=max_num_seqs, backend="numpy", progress=False)
     engine = llm.llm_engine
     kv = engine.kv_cache_manager
     for i, prompt in enumerate(prompts):
@@ -164,8 +164,10 @@ is off so that every round computes the same prompts again. CPU numbers are smal
 2-core numbers: the shape matters, not the values.
 """),
     ("code", r"""
+# The tuned CPU backend, as a user runs it: this cell times it (the reference gives the same
+# tokens: tests/test_backend_equality_cpu.py).
 llm = LLM(num_gpu_blocks_override=64, block_size=16, max_model_len=128, max_num_seqs=8,
-          enable_prefix_caching=False, progress=False)
+          enable_prefix_caching=False, backend="cpu", progress=False)
 measure = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 llm.generate(prompts[:1], measure, use_tqdm=False)   # warm-up (first-call allocations)
 BATCHES, ROUNDS = (1, 2, 4, 8), 3
@@ -207,90 +209,53 @@ plt.show()
 The same Scheduler and KVCacheManager, at Llama-3-8B on one H100 SXM 80 GB: the simulator
 (`refserve/simulator/`) replaces only the model forward, by the roofline cost model of the
 step's composition (every GPU figure's source is in `refserve/simulator/gpus.toml`). Each
-run below is one `python -m refserve.simulate` command of WARMUP.md §11 (same flags, same
-seed, same numbers), run through the Python API. Together they take about a minute.
-"""),
-    ("code", r"""
-from refserve.config import EngineConfig
-from refserve.simulator import SimulatedEngine, load_gpu, load_model, make_workload
-from refserve.simulator.report import latency_table
+story below is one command of WARMUP.md §11, `python -m refserve.war_stories STORY`, run
+through its Python API: the same runs, the same seed, the same table and lesson line. It
+prints the `python -m refserve.simulate` flags of each run. Together they take about a
+minute.
 
-MODEL, GPU = load_model("llama-3-8b"), load_gpu("h100-80gb")
-CLI_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=8192, block_size=16,
-                    gpu_memory_utilization=0.9, enable_prefix_caching=True)
-
-
-def simulate(workload, rate, num_requests, spec_alpha=0.7, **config):
-    # python -m refserve.simulate --model llama-3-8b --gpu h100-80gb --workload ... --rate ...
-    engine = SimulatedEngine(MODEL, GPU, EngineConfig(**{**CLI_DEFAULTS, **config}),
-                             spec_alpha=spec_alpha)
-    requests = make_workload(workload, num_requests, rate, vocab_size=MODEL.vocab_size,
-                             max_model_len=engine.max_model_len, seed=0)
-    result = engine.run(requests)
-    itl = {row["metric"]: row for row in latency_table(result)}["ITL"]
-    return result.summary, itl
-
-
-def show(label, s, itl):
-    print(f"{label}: KV peak {s.kv_blocks_peak}/{s.kv_blocks_total}, preemptions "
-          f"{s.num_preemptions}, TTFT p50/p99 {s.ttft_p50 * 1e3:.0f}/{s.ttft_p99 * 1e3:.0f} ms, "
-          f"TPOT p50/p99 {s.tpot_p50 * 1e3:.1f}/{s.tpot_p99 * 1e3:.1f} ms, ITL p99/max "
-          f"{itl['p99']:.1f}/{itl['max']:.1f} ms, {s.output_tokens_per_s:.0f} tok/s, "
-          f"slot-steps wasted {s.slot_steps_wasted}"
-          + (f" | {s.format_speculation()}" if s.format_speculation() else ""))
-"""),
-    ("md", r"""
 **The OOM at peak.** 300 requests whose contexts nearly fill 8192 tokens, 3 per second:
 vLLM's default `max_num_seqs` 256 against 53, what the pool holds at 8192 tokens. Uncapped,
 the pool fills and the scheduler preempts; capped, nothing is preempted and TPOT p99 drops,
 paid for in queueing (TTFT).
 """),
     ("code", r"""
-for cap_seqs in (256, 53):
-    show(f"max_num_seqs {cap_seqs}", *simulate("long-context", 3.0, 300, max_model_len=8192,
-                                               max_num_seqs=cap_seqs))
+from refserve.war_stories import run_story
+
+run_story("oom", progress=False)
 """),
     ("md", r"""
 **The long answer in a static batch.** 1000 chat requests at once: static batching holds
 each seat until the batch's longest answer ends.
 """),
     ("code", r"""
-for batching in ("static", "continuous"):
-    show(batching, *simulate("chat", float("inf"), 1000, batching=batching))
+run_story("static", progress=False)
 """),
     ("md", r"""
 **The prefix nobody was sharing.** One 1500-token system prompt, 200 requests at once.
 """),
     ("code", r"""
-for caching in (True, False):
-    show(f"prefix caching {'on' if caching else 'off'}",
-         *simulate("system-prompt", float("inf"), 200, enable_prefix_caching=caching))
+run_story("prefix", progress=False)
 """),
     ("md", r"""
-**The chunked-prefill rescue.** Long documents at 2 per second: with a budget of 8192 tokens
-every prompt is prefilled in one step and everyone else's next token waits for it (ITL p99);
-a budget of 512 chunks it.
+**The chunked-prefill rescue.** Long documents at 5 per second under three schedules:
+prefill-first (decodes wait while prompts are prefilled), mixed (whole prompts beside the
+decodes, budget 8192) and chunked (a 512-token budget caps what a prompt adds to a step).
 """),
     ("code", r"""
-for budget in (8192, 512):
-    show(f"max_num_batched_tokens {budget}",
-         *simulate("long-document", 2.0, 300, max_num_batched_tokens=budget))
+run_story("chunked", progress=False)
 """),
     ("md", r"""
-**"Speculative decoding made it worse".** k = 4 at acceptance α = 0.3 and 0.8, a self-draft
-(the target's first 16 layers: about 0.6 of a decode step per draft) against free n-gram
-drafts, the adaptive rule off. Tokens per verify step follow (1 − α^(k+1)) / (1 − α); what
-they buy depends on what a draft costs.
+**"Speculative decoding made it worse".** k = 4 at α = 0.3 and 0.8 (α: the per-token
+acceptance probability the simulator draws with), a self-draft (the target's first 16
+layers: about 0.6 of a decode step per draft) against free n-gram drafts, the adaptive rule
+off. Tokens per verify step follow (1 − α^(k+1)) / (1 − α); what they buy depends on what a
+draft costs. The `accepted/proposed` column is the draft acceptance rate the engine counts,
+lower than α. (The same story on the embedded model, with real drafts and wall-clock
+seconds: `python -m refserve.war_stories speculation`, notebook 03.)
 """),
     ("code", r"""
-show("no speculation", *simulate("chat", 8.0, 1000))
-drafters = {"self-draft": {"method": "draft_model", "model": "self", "num_draft_layers": 16},
-            "n-gram": {"method": "ngram"}}
-for name, spec in drafters.items():
-    for alpha in (0.3, 0.8):
-        config = {**spec, "num_speculative_tokens": 4, "adaptive": False}
-        show(f"{name} alpha {alpha}", *simulate("chat", 8.0, 1000, spec_alpha=alpha,
-                                                speculative_config=config))
+run_story("speculation-sim", progress=False)
 """),
     ("md", r"""
 **Try it**: give the replay 24 blocks and find the smallest pool with no preemption at

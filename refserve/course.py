@@ -1,128 +1,39 @@
-"""The course machinery: exercise regions in the reference, and student copies made from them.
-
-The reference code marks the spots a student writes with comment lines:
-
-    # BEGIN EXERCISE <name>: <one-line hint>
-    ... the reference solution (the answer key) ...
-    # END EXERCISE
+"""Student copies of refserve for the course, and the course's command line.
 
 `python -m refserve.course make-student DIR` writes a copy of the package (plus tests/,
-notebooks/, pyproject.toml and the course texts when run from a source checkout) in which the
-lines between the markers are replaced by
+notebooks/, pyproject.toml and the course texts when run from a source checkout) in which
+the inside of every exercise region (refserve/course_exercises.py) is replaced by
 
     raise NotImplementedError("exercise <name>: <hint>")
 
 at the BEGIN line's indentation; the marker lines stay, so the student sees where to write.
 `--only NAME` (repeatable) blanks only those exercises; `--solutions` keeps every region
-(a copy with the reference regions put back). Grade a copy with the reference tests:
+(a copy with the reference regions put back).
 
-    pytest --impl DIR tests/test_block_allocator.py      # or: REFSERVE_IMPL=DIR pytest ...
-    pytest --impl DIR -m "not slow" --grade               # the whole score table
-
-`python -m refserve.course list` prints each exercise, where it is and how it is graded
-(`EXERCISES`: its mechanism marker and the test file(s) that catch it).
+`python -m refserve.course grade DIR --exercise NAME` grades one exercise of the copy,
+alone inside the reference; without `--exercise` it grades every exercise the same way
+(refserve/course_grade.py). `python -m refserve.course list` prints each exercise, where it
+is, how it is graded and the command that grades it.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-SOURCE_ROOT = PACKAGE_DIR.parent  # a source checkout: tests/ and notebooks/ live here
-BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN EXERCISE (?P<name>[a-z][a-z0-9_]*)"
-                   r"(?::\s*(?P<hint>.*\S))?\s*$")
-END = re.compile(r"^[ \t]*# END EXERCISE\s*$")
+from refserve import course_grade
+from refserve.course_exercises import (
+    EXERCISES,
+    PACKAGE_DIR,
+    SOURCE_ROOT,
+    Region,
+    blank_regions,
+    find_regions,
+)
+from refserve.course_grade import grade_command
 
-
-@dataclass(frozen=True)
-class Grading:
-    """How one exercise is graded: its mechanism markers (tests/grading.py; the first is the
-    one it teaches, the others are mechanisms built on it whose tests may fail too) and the
-    test files that catch it. `pytest --impl DIR FILES -m MECHANISM` grades it alone."""
-
-    mechanisms: tuple[str, ...]
-    test_files: tuple[str, ...]
-
-
-# Every exercise region in the reference, and how the course grades it.
-EXERCISES: dict[str, Grading] = {
-    "blocks_for_tokens": Grading(("capacity",), ("tests/test_capacity.py",)),
-    "append_rule": Grading(("block_table",), ("tests/test_block_table.py",)),
-    "allocator_decref": Grading(("allocator",), ("tests/test_block_allocator.py",)),
-    "copy_on_write": Grading(("cow",), ("tests/test_prefix_cache.py",)),
-    "prefix_cache_lookup": Grading(("prefix_cache", "cow"), ("tests/test_prefix_cache.py",)),
-    "paged_attention_gather": Grading(("paged_attention",), ("tests/test_paged_attention.py",)),
-    "runner_prepare": Grading(("prepare",), ("tests/test_model_runner.py",)),
-    "scheduler_admit": Grading(("scheduler", "chunked_prefill", "preemption"),
-                               ("tests/test_scheduler.py",)),
-    "scheduler_preempt": Grading(("preemption", "scheduler"), ("tests/test_scheduler.py",)),
-    "stop_rules": Grading(("scheduler",), ("tests/test_stop_rules.py",)),
-    "accept_residual": Grading(("spec_accept",), ("tests/test_spec_rejection_sampler.py",)),
-    "ngram_proposal": Grading(("spec_propose",), ("tests/test_spec_ngram.py",)),
-}
-
-
-@dataclass(frozen=True)
-class Region:
-    """Lines [begin, end] (0-based, both marker lines included) of `path`."""
-
-    name: str
-    hint: str
-    path: Path  # relative to the package's parent (e.g. refserve/capacity.py)
-    begin: int
-    end: int
-    indent: str
-
-    def stub(self) -> str:
-        message = f"exercise {self.name}: {self.hint}" if self.hint else f"exercise {self.name}"
-        return f"{self.indent}raise NotImplementedError({message!r})\n"
-
-
-def find_regions(package_dir: Path = PACKAGE_DIR) -> list[Region]:
-    """Every exercise region under `package_dir`, in file then line order. Raises ValueError
-    on a BEGIN without END (or the reverse), a nested BEGIN, or a name used twice."""
-    regions: list[Region] = []
-    for path in sorted(package_dir.rglob("*.py")):
-        if path.name == "course.py":
-            continue  # this file's docstring shows the markers; it has no regions
-        rel = path.relative_to(package_dir.parent)
-        lines = path.read_text().splitlines(keepends=True)
-        open_at = None
-        for i, line in enumerate(lines):
-            match = BEGIN.match(line)
-            if line.lstrip().startswith("# BEGIN EXERCISE") and match is None:
-                raise ValueError(f"{rel}:{i + 1}: malformed marker; write "
-                                 "'# BEGIN EXERCISE <name>: <hint>' (name: a-z, 0-9, _)")
-            if match:
-                if open_at is not None:
-                    raise ValueError(f"{rel}:{i + 1}: BEGIN EXERCISE inside the region opened "
-                                     f"at line {open_at[0] + 1}")
-                open_at = (i, match)
-            elif END.match(line):
-                if open_at is None:
-                    raise ValueError(f"{rel}:{i + 1}: END EXERCISE without BEGIN")
-                start, m = open_at
-                regions.append(Region(m["name"], m["hint"] or "", rel, start, i, m["indent"]))
-                open_at = None
-        if open_at is not None:
-            raise ValueError(f"{rel}:{open_at[0] + 1}: BEGIN EXERCISE without END EXERCISE")
-    names = [r.name for r in regions]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"exercise name(s) used twice: {twice}")
-    return regions
-
-
-def blank_regions(text: str, regions: list[Region]) -> str:
-    """`text` (one file) with each region's inside replaced by its stub, markers kept."""
-    lines = text.splitlines(keepends=True)
-    for r in sorted(regions, key=lambda r: r.begin, reverse=True):  # bottom up: lines shift
-        lines[r.begin + 1:r.end] = [r.stub()]
-    return "".join(lines)
+__all__ = ["EXERCISES", "Region", "blank_regions", "find_regions", "make_student", "main"]
 
 
 def make_student(dest: Path, only: list[str] | None = None, solutions: bool = False) -> list[str]:
@@ -137,6 +48,7 @@ def make_student(dest: Path, only: list[str] | None = None, solutions: bool = Fa
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"{dest} already exists and is not an empty folder; give a new path")
     chosen = [] if solutions else [r for r in regions if only is None or r.name in only]
+    chosen.sort(key=_course_order)
 
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
     try:  # before any copying: a folder that cannot be made is one clear error
@@ -162,25 +74,45 @@ def make_student(dest: Path, only: list[str] | None = None, solutions: bool = Fa
 
 
 def _exercise_sheet(chosen: list[Region], dest: Path) -> str:
+    copy = dest.resolve()
     lines = ["# Exercises", "",
              "Each exercise is a `raise NotImplementedError(\"exercise <name>: <hint>\")` between "
-             "`# BEGIN EXERCISE` and `# END EXERCISE` lines. Replace the raise with your code, "
-             "then grade it with the reference tests:", "",
+             "`# BEGIN EXERCISE` and `# END EXERCISE` lines. Replace the raise with your code "
+             "(only the lines between the markers are graded), then grade that exercise alone "
+             f"from the reference checkout (`{SOURCE_ROOT}`), not from inside this copy:", "",
              "| exercise | file | hint | grade it |", "| --- | --- | --- | --- |"]
     for r in chosen:
-        g = EXERCISES.get(r.name)
-        cmd = (f"`pytest {' '.join(g.test_files)} -m {g.mechanisms[0]}`"
-               if g else "`pytest -m \"not slow\" --grade`")
-        lines.append(f"| {r.name} | `{r.path}:{r.begin + 1}` | {r.hint} | {cmd} |")
+        lines.append(f"| {r.name} | `{r.path}:{r.begin + 1}` | {r.hint} | "
+                     f"`{grade_command(copy, r.name)}` |")
     if not chosen:
         lines.append("| (none: every reference region is in place) | | | |")
-    lines += ["", f"Run the commands inside `{dest}`, or from the reference checkout with "
-              f"`--impl {dest}` added.", ""]
+    lines += ["", "Each exercise is graded inside the reference: every other region is the "
+              "reference's, so one exercise's row never depends on another. The whole grade, "
+              "one row per exercise:", "", f"    {grade_command(copy)}", ""]
     return "\n".join(lines)
 
 
+def _course_order(region: Region) -> int:
+    """Course order (EXERCISES); a region without an entry comes last."""
+    order = list(EXERCISES)
+    return order.index(region.name) if region.name in EXERCISES else len(order)
+
+
+def _list() -> None:
+    for r in sorted(find_regions(), key=_course_order):
+        g = EXERCISES.get(r.name)
+        print(f"{r.name:<24} {g.mechanism if g else '(not graded)':<17} {r.path}:{r.begin + 1}")
+        print(f"{'':<24} hint: {r.hint}")
+        if g:
+            print(f"{'':<24} tests: {' '.join(g.test_files)} -m \"{g.marker_expression}\"")
+    print("\nEach exercise is graded alone: its tests run against the reference with only "
+          "that region taken from the copy, so no exercise depends on another.\n"
+          f"Grade one: {grade_command(Path('DIR'), 'NAME')}\n"
+          f"Grade all: {grade_command(Path('DIR'))}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    from refserve.entrypoints.cli_common import ArgumentParser
+    from refserve.entrypoints.cli_common import ArgumentParser, CLIError
 
     parser = ArgumentParser(prog="python -m refserve.course",
                             description="Student copies of refserve for the course.")
@@ -192,20 +124,34 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--solutions", action="store_true",
                       help="keep every reference region (a copy with the answers in place)")
     sub.add_parser("list", help="print the exercises, where they are and how they are graded")
+    grade = sub.add_parser("grade", help="grade a student copy, each exercise alone inside "
+                                         "the reference (run from the reference checkout)")
+    grade.add_argument("dir", type=Path, nargs="?",
+                       help="the student copy (default: this checkout, whose regions all pass)")
+    grade.add_argument("--exercise", action="append", metavar="NAME",
+                       help="grade only this exercise (repeatable); default: all")
+    grade.add_argument("--jobs", type=int, default=None, metavar="N",
+                       help="exercises graded at once (default: one per core, at most 4)")
+    grade.add_argument("--timeout", type=float, default=course_grade.DEFAULT_TIMEOUT_S,
+                       metavar="S", help="seconds one exercise may run before it fails")
+    grade.add_argument("--grade-json", type=Path, default=Path("grade.json"), metavar="PATH",
+                       help="where to write the JSON report")
+    grade.add_argument("-v", "--verbose", action="store_true",
+                       help="also print pytest's report of each row that does not pass")
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
-            for r in find_regions():
-                g = EXERCISES.get(r.name)
-                graded = (f"-m {g.mechanisms[0]} {' '.join(g.test_files)}" if g
-                          else "(no grading entry)")
-                print(f"{r.name:<24} {str(r.path) + ':' + str(r.begin + 1):<44} {graded}")
-                print(f"{'':<24} hint: {r.hint}")
+            _list()
             return 0
+        if args.command == "grade":
+            if args.jobs is not None and args.jobs < 1:
+                raise ValueError(f"--jobs {args.jobs}: must be >= 1")
+            return course_grade.run(args.dir, args.exercise, args.jobs, args.timeout,
+                                    args.grade_json, args.verbose)
         if args.only and args.solutions:
             raise ValueError("--only and --solutions contradict each other; give one")
         names = make_student(args.dir, args.only, args.solutions)
-    except ValueError as e:
+    except (ValueError, CLIError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote a student copy to {args.dir}: {len(names)} exercise(s) blanked"

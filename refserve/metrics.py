@@ -14,16 +14,18 @@
 
 Speculative decoding (terms of refserve/spec_decode/__init__.py):
     proposed / accepted         draft tokens sent to the target / kept
-    acceptance rate             = accepted / proposed   (vLLM's "draft acceptance rate")
+    draft acceptance rate       = accepted / proposed (vLLM's name). Not α, the per-token
+                                  acceptance probability of the formula: drafts after a
+                                  rejection count as proposed but were never tested, so at
+                                  k = 4 and α = 0.3 the rate is about 10.6% (below)
     mean accepted length        = (accepted + verify steps) / verify steps: tokens emitted per
                                   verify pass, the recovered or bonus token included
                                   (vLLM's "mean acceptance length")
     target passes per token     = target passes that sampled for the request / output tokens
                                   (1.0 without speculation; below 1 is what speculation buys)
 
-The acceptance rate is not α: drafts after a rejection count as proposed but were never
-tested. If each draft is accepted independently with probability α (Leviathan et al.), a
-verify step with k drafts emits on average
+If each draft is accepted independently with probability α (Leviathan et al.), a verify
+step with k drafts emits on average
 
     E[tokens per target pass] = 1 + α + α² + ... + α^k = (1 - α^(k+1)) / (1 - α)
 
@@ -41,7 +43,7 @@ class SpecRatios:
     """The speculative-decoding ratios of a request or a run, from its counters
     (num_spec_proposed / _accepted / _verify_steps, num_target_passes, num_output_tokens):
 
-        acceptance rate α       accepted / proposed
+        draft acceptance rate   accepted / proposed   (not α: see the module docstring)
         mean accepted length    (accepted + verify steps) / verify steps   (tokens per verify)
         target passes / token   passes / output tokens   (1.0 without speculation)
     """
@@ -161,16 +163,17 @@ class RunSummary(SpecRatios):
                 "target_passes_per_output_token": self.target_passes_per_output_token}
 
     def format_speculation(self) -> str:
-        """'spec ngram: acceptance 61.0% (122/200 drafts), mean accepted length 2.53,
-        target passes per output token 0.40' ('' when the run did not speculate)."""
+        """'spec ngram: draft acceptance rate 61.0% (122/200 drafts accepted), mean
+        accepted length 2.53, target passes per output token 0.40' ('' when the run did
+        not speculate). The rate is accepted / proposed, not α."""
         if self.speculative_method is None and not self.num_spec_proposed:
             return ""
         rate = self.acceptance_rate
         length = self.mean_accepted_length
         passes = self.target_passes_per_output_token
-        return (f"spec {self.speculative_method or ''}: acceptance "
+        return (f"spec {self.speculative_method or ''}: draft acceptance rate "
                 f"{'-' if rate is None else f'{rate:.1%}'} ({self.num_spec_accepted}/"
-                f"{self.num_spec_proposed} drafts), mean accepted length "
+                f"{self.num_spec_proposed} drafts accepted), mean accepted length "
                 f"{'-' if length is None else f'{length:.2f}'}, target passes per output "
                 f"token {'-' if passes is None else f'{passes:.2f}'}")
 

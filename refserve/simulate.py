@@ -144,8 +144,9 @@ def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
                    help="price an HTTP front end streaming every token (a served run, as "
                    "vLLM's benchmark_serving measures)")
     r.add_argument("--spec-alpha", type=float, default=0.7, metavar="ALPHA",
-                   help="with --speculative-config: the probability that each draft is "
-                   "accepted, for requests whose workload sets none (refserve/simulator/"
+                   help="with --speculative-config: α, the probability that each draft is "
+                   "accepted (per token; the printed draft acceptance rate, accepted / "
+                   "proposed, is lower), for requests whose workload sets none (refserve/simulator/"
                    "outputs.py)")
 
 

@@ -99,7 +99,7 @@ def offline(tiny_chat_llama):
 
 
 @pytest.fixture(scope="module")
-def long_tiny_dir(tmp_path_factory):
+def long_tiny_chat_llama(tmp_path_factory):
     """The tiny text model with a 4096-token context: long prompts and long generations
     that take thousands of (cheap) steps."""
     from tiny_text_model import save_tiny_text_model

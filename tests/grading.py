@@ -1,4 +1,5 @@
-"""The course's grader: every test carries a mechanism marker; `pytest --grade` scores each one.
+"""The course's grader: every test carries a mechanism marker, and `pytest --grade` grades
+a student copy exercise by exercise.
 
 Loaded before collection by `-p grading` in pyproject.toml's pytest addopts (with tests/ on
 pytest's pythonpath), so its options exist before pytest reads the command line's paths.
@@ -8,36 +9,35 @@ Its jobs:
    pattern and test-name pattern both match (a rule may name several mechanisms). A test
    that already carries a mechanism marker written in its own file keeps exactly that. A
    module no rule names falls back to the mechanism spelled in its file name
-   (tests/test_scheduler_extra.py -> scheduler); otherwise it is reported as unmapped.
-   Because the markers exist at collection time, `pytest -m scheduler` runs one mechanism.
+   (tests/test_scheduler_extra.py -> scheduler). Because the markers exist at collection
+   time, `pytest -m scheduler` runs one mechanism.
 
-2. Score. `--grade` records every test's outcome (setup, call and teardown together: any
-   failing phase makes the test failed) and, at the end, prints one row per mechanism:
-   passed / failed / skipped / blocked and a status. A test counts once under each of its
-   markers; the TOTAL row counts each test once.
+2. Grade. `pytest [--impl DIR] [-m "not slow"] --grade [--exercise NAME]` is the course's
+   grade, the same as `python -m refserve.course grade [DIR] [--exercise NAME]`: pytest
+   hands the command to refserve/course_grade.py (this checkout's), which grades each
+   exercise of DIR alone inside the reference, prints one row per exercise and writes
+   grade.json (`--grade-json`, default ./grade.json), then exits without running anything
+   itself. Without --impl it grades this checkout's own regions (all pass). It always
+   grades the not-slow selection of each exercise, so it takes no test paths and no other
+   `-m`.
 
-3. Tell "blocked" from "failed". A check that needs a GPU and finds none must skip with a
+3. Record. `--grade-record PATH` is how course_grade.py reads one exercise's run back
+   (tests/grade_record.py): one JSON line per event, each failure as one plain line (the
+   assertion, a Hypothesis falsifying example folded in, never an exception group), under
+   a deterministic Hypothesis profile that reports one bug. `--grade-shard I/N` runs every
+   Nth selected test from I, so one exercise can use several cores.
+
+4. Tell "blocked" from "failed". A check that needs a GPU and finds none must skip with a
    reason that starts with "no GPU" (e.g. `pytest.skip("no GPU: cupy cannot see a device")`,
    or the `requires_gpu` mark below). A failed `pytest.importorskip("cupy")` and a missing
-   CUDA toolkit ("nvcc ... not installed") count too. Such skips are *blocked*, not failed:
-   a mechanism whose only non-passing tests are blocked reads "blocked: no GPU".
+   CUDA toolkit ("nvcc ... not installed") count too. Such skips are recorded as blocked,
+   not failed.
 
-`grade.json` (path: `--grade-json`, default ./grade.json) holds the same numbers plus the
-node ids of failed and blocked tests, for CI or a course dashboard. A run with a collection
-error (or interrupted) is not graded: the error is printed, the exit status is non-zero, and
-neither a table nor grade.json is written (a grade.json left by an earlier run is removed).
-
-Not done yet. A failure whose report shows an exercise stub's NotImplementedError
-("exercise <name>: <hint>", what `make-student` leaves in each region) fails only because
-that exercise is not written yet; a row whose failures are all of that kind says so and names
-the exercises ("FAIL: not done yet: append_rule"), so an untouched student copy reads as a
-to-do list, not as broken code. The notebooks' row (course) too.
-
-4. Grade a student copy. `--impl DIR` (or the environment variable REFSERVE_IMPL=DIR) runs
-   these same tests against the `refserve` package in DIR, a copy written by
-   `python -m refserve.course make-student DIR`: DIR goes first on sys.path (and on
-   PYTHONPATH, for the tests' subprocesses) before anything imports refserve, and the run
-   stops with a usage error unless the refserve it then imports is DIR's.
+5. Test another implementation. `--impl DIR` (or the environment variable REFSERVE_IMPL=DIR)
+   runs these same tests against the `refserve` package in DIR (a student copy, or the
+   grader's hybrid package): DIR goes first on sys.path (and on PYTHONPATH, for the tests'
+   subprocesses) before anything imports refserve, and the run stops with a usage error
+   unless the refserve it then imports is DIR's.
    `--impl DIR` with a space: pytest picks its rootdir (and so its configuration) from the
    command line's paths before any plugin can define an option, and takes DIR for a test
    path. So the plugin restarts the same command once with `--impl=DIR`, which pytest
@@ -48,17 +48,16 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import json
 import os
 import re
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from grade_record import Recorder, load_grading_profile
 
-# Every mechanism the course grades, and the invariant a failing test says was broken.
+# Every mechanism marker, and the invariant its tests check. The course's exercises are
+# graded under some of them (refserve/course_exercises.py, EXERCISES).
 MECHANISMS: dict[str, str] = {
     "capacity": "KV bytes per token, blocks for N tokens, pool size and max concurrency "
                 "follow the capacity formulas",
@@ -197,16 +196,6 @@ RULES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("test_vllm_api_edges.py", None, ("engine",)),
 ]
 
-# Skip reasons that mean "this machine cannot run a GPU check" (lower-cased): the convention
-# ("no GPU ..."), a failed pytest.importorskip("cupy") (cupy exists only for GPUs), and a
-# missing CUDA toolkit ("nvcc (CUDA toolkit) is not installed").
-_BLOCKED_REASONS = re.compile(
-    r"^no gpu|could not import 'cupy|\b(nvcc|cuda)\b.*\bnot (installed|available|found)")
-# An exercise stub's NotImplementedError in a failure report (the raise line or its message,
-# or a command line's `error: exercise NAME: ...`), and the terminal's colour codes around it.
-_EXERCISE_STUB = re.compile(r"(?:NotImplementedError\W{1,4}|error: )exercise ([a-z][a-z0-9_]*)")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
 @functools.cache
 def _gpu_present() -> bool:
     try:
@@ -230,34 +219,34 @@ def mechanisms_for(module: str, name: str) -> tuple[str, ...]:
     return tuple(m for m in MECHANISMS if stem == m or stem.startswith(m + "_"))
 
 
-def exercises_not_done(report_text: str) -> set[str]:
-    """The exercises whose stub (NotImplementedError "exercise NAME: ...") a failure shows."""
-    return set(_EXERCISE_STUB.findall(_ANSI.sub("", report_text)))
-
-
-def is_blocked(reason: str) -> bool:
-    """A skip reason that means "this machine has no GPU" (the convention above)."""
-    text = reason.strip().removeprefix("Skipped:").strip().lower()
-    return bool(_BLOCKED_REASONS.search(text))
-
-
 # ---- pytest hooks ------------------------------------------------------------------------
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("grading", "course grading")
     group.addoption("--grade", action="store_true",
-                    help="print a per-mechanism score table at the end and write grade.json")
+                    help="grade the student copy given with --impl (default: this checkout), "
+                         "each exercise alone inside the reference; print one row per "
+                         "exercise and write grade.json (python -m refserve.course grade)")
+    group.addoption("--exercise", action="append", metavar="NAME",
+                    help="with --grade: grade only this exercise (repeatable)")
     group.addoption("--grade-json", default="grade.json", metavar="PATH",
                     help="where --grade writes its JSON report (default: ./grade.json)")
     group.addoption("--impl", default=os.environ.get("REFSERVE_IMPL") or None, metavar="DIR",
                     help="test the refserve package in DIR (a student copy from `python -m "
                          "refserve.course make-student DIR`) instead of this checkout's; "
                          "default: $REFSERVE_IMPL")
+    group.addoption("--grade-record", default=None, metavar="PATH",
+                    help="(for refserve/course_grade.py) record each test's outcome and "
+                         "first failure as JSON lines in PATH, under a deterministic "
+                         "Hypothesis profile")
+    group.addoption("--grade-shard", default="0/1", metavar="I/N",
+                    help="(with --grade-record) run only the selected tests whose index "
+                         "is I modulo N")
 
 
 def use_implementation(impl: str) -> Path:
-    """Make `import refserve` load DIR/refserve (see the module docstring, job 4). Returns the
+    """Make `import refserve` load DIR/refserve (see the module docstring, job 5). Returns the
     package folder; raises pytest.UsageError if that cannot be guaranteed."""
     root = Path(impl).expanduser().resolve()
     package = root / "refserve"
@@ -279,12 +268,18 @@ def use_implementation(impl: str) -> Path:
     return package
 
 
+# The plugin's options that take a value: pytest takes a separate value for a test path
+# (an existing path even moves the rootdir) before the plugin has defined them.
+JOINED_OPTIONS = ("--impl", "--grade-json", "--exercise")
+
+
 def join_impl_args(args: list[str]) -> list[str]:
-    """['--impl', 'DIR', ...] -> ['--impl=DIR', ...]: the form pytest cannot misread."""
+    """['--impl', 'DIR', ...] -> ['--impl=DIR', ...] (and the other JOINED_OPTIONS): the
+    form pytest cannot misread."""
     out, i = [], 0
     while i < len(args):
-        if args[i] == "--impl" and i + 1 < len(args):
-            out.append(f"--impl={args[i + 1]}")
+        if args[i] in JOINED_OPTIONS and i + 1 < len(args):
+            out.append(f"{args[i]}={args[i + 1]}")
             i += 2
         else:
             out.append(args[i])
@@ -299,14 +294,15 @@ def pytest_load_initial_conftests(early_config, parser, args):
 
 def restart_with_joined_impl(config) -> None:
     """`--impl DIR` with a space: run the same command again as `--impl=DIR` (see the
-    module docstring, job 4), before any conftest or test is loaded from the wrong root."""
+    module docstring, job 5), before any conftest or test is loaded from the wrong root."""
     given = list(config.invocation_params.args)
     joined = join_impl_args(given)
     if joined == given:
         return
     if sys.argv[1:] != given:  # pytest.main() inside another program: cannot restart it
         raise pytest.UsageError("write --impl=DIR (with '='): pytest reads the DIR of "
-                                "'--impl DIR' as a test path before this option exists")
+                                "'--impl DIR' as a test path before this option exists "
+                                "(--grade-json and --exercise too)")
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:  # give the terminal back: it is redirected while this runs
         capture.stop_global_capturing()
@@ -315,19 +311,36 @@ def restart_with_joined_impl(config) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "pytest", *joined])
 
 
-def check_grade_json(config) -> Path:
-    """--grade-json is writable: checked before the tests run, not after."""
-    path = Path(config.invocation_params.dir) / config.getoption("grade_json")
-    if path.is_dir():
-        raise pytest.UsageError(f"--grade-json {path}: is a folder; give a file path")
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`--grade`: the course grade (job 2) runs instead of a test session."""
+    if not config.getoption("grade"):
+        if config.getoption("exercise"):
+            raise pytest.UsageError("--exercise NAME goes with --grade")
+        return None
+    markexpr = " ".join(config.getoption("markexpr", "").split())
+    if markexpr not in ("", "not slow"):
+        raise pytest.UsageError(f"--grade with -m {markexpr!r}: the grade runs each exercise's "
+                                "not-slow tests; drop -m (one exercise: --exercise NAME)")
+    if config.args_source is pytest.Config.ArgsSource.ARGS:
+        raise pytest.UsageError(f"--grade with test paths {config.args}: the grade picks each "
+                                "exercise's tests itself; drop them (one exercise: "
+                                "--exercise NAME)")
+    from refserve import course_grade
+
+    # pyproject's pythonpath puts this checkout first: the grader must be the reference's.
+    here = Path(course_grade.__file__).resolve()
+    if not here.is_relative_to(config.rootpath):
+        raise pytest.UsageError(f"--grade: refserve was imported from {here.parent}, not from "
+                                f"this checkout {config.rootpath}")
+    impl = config.getoption("impl")
+    json_path = Path(config.invocation_params.dir) / config.getoption("grade_json")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise pytest.UsageError(f"--grade-json {path}: cannot create its folder "
-                                f"({e.strerror})") from None
-    if not os.access(path.parent, os.W_OK):
-        raise pytest.UsageError(f"--grade-json {path}: cannot write there (permission denied)")
-    return path
+        return course_grade.run(Path(impl) if impl else None, config.getoption("exercise"),
+                                json_path=json_path)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def pytest_configure(config):
@@ -340,9 +353,15 @@ def pytest_configure(config):
     for name, invariant in MECHANISMS.items():
         if name not in registered:
             config.addinivalue_line("markers", f"{name}: {invariant}")
-    if config.getoption("grade", False):
-        config.pluginmanager.register(Grader(config, check_grade_json(config)),
-                                      "refserve-grader")
+    record = config.getoption("grade_record", None)
+    if record:
+        load_grading_profile()
+        shard, _, shards = config.getoption("grade_shard").partition("/")
+        if not (shard.isdigit() and shards.isdigit() and int(shard) < int(shards)):
+            raise pytest.UsageError(f"--grade-shard {config.getoption('grade_shard')}: "
+                                    "write I/N with 0 <= I < N")
+        config.pluginmanager.register(Recorder(Path(record), int(shard), int(shards)),
+                                      "refserve-grade-recorder")
 
 
 def pytest_report_header(config):
@@ -362,150 +381,3 @@ def pytest_collection_modifyitems(config, items):
             name = f"{cls.__name__}.{name}"
         for marker in mechanisms_for(module, name):
             item.add_marker(marker)
-
-
-@dataclass
-class Row:
-    passed: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    blocked: list[str] = field(default_factory=list)
-    # Failed tests that fail only on an exercise stub, and those exercises (see "Not done").
-    not_done: dict[str, set[str]] = field(default_factory=dict)
-
-    def exercises_not_done(self) -> list[str]:
-        return sorted(set().union(*self.not_done.values())) if self.not_done else []
-
-    def only_not_done(self) -> bool:
-        return bool(self.failed) and all(t in self.not_done for t in self.failed)
-
-    def status(self) -> str:
-        if self.only_not_done():
-            return "FAIL: not done yet: " + ", ".join(self.exercises_not_done())
-        if self.failed:
-            return "FAIL"
-        if self.blocked and not self.passed:
-            return "blocked: no GPU"
-        if self.passed:
-            return "pass" + (" (some blocked: no GPU)" if self.blocked else "")
-        return "skipped" if self.skipped else "no tests"
-
-    def score(self) -> float | None:
-        graded = len(self.passed) + len(self.failed)
-        return None if graded == 0 else len(self.passed) / graded
-
-    def to_dict(self) -> dict:
-        return {"passed": len(self.passed), "failed": len(self.failed),
-                "skipped": len(self.skipped), "blocked": len(self.blocked),
-                "total": sum(map(len, (self.passed, self.failed, self.skipped, self.blocked))),
-                "score": self.score(), "status": self.status(),
-                "failed_tests": list(self.failed), "blocked_tests": list(self.blocked),
-                "not_done_tests": [t for t in self.failed if t in self.not_done],
-                "exercises_not_done": self.exercises_not_done()}
-
-
-class Grader:
-    """Collects one outcome per test, then scores each mechanism."""
-
-    def __init__(self, config, json_path: Path) -> None:
-        self.config = config
-        self.json_path = json_path
-        self.markers: dict[str, tuple[str, ...]] = {}
-        self.outcome: dict[str, str] = {}        # nodeid -> passed/failed/skipped/blocked
-        self.not_done: dict[str, set[str]] = {}  # failed nodeid -> exercises it shows
-        self.collection_errors: list[str] = []
-        self.graded = False
-        self.started = time.time()
-        self.rows: dict[str, Row] = {}
-        self.total = Row()
-
-    def pytest_collectreport(self, report):
-        if report.failed:
-            self.collection_errors.append(report.nodeid or "(the command line)")
-
-    def pytest_collection_finish(self, session):
-        for item in session.items:
-            self.markers[item.nodeid] = tuple(
-                dict.fromkeys(m.name for m in item.iter_markers() if m.name in MECHANISMS))
-
-    def pytest_runtest_logreport(self, report):
-        if report.failed:
-            self.outcome[report.nodeid] = "failed"
-            stubs = exercises_not_done(report.longreprtext)
-            if stubs:
-                self.not_done.setdefault(report.nodeid, set()).update(stubs)
-        elif report.skipped and self.outcome.get(report.nodeid) != "failed":
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
-            if hasattr(report, "wasxfail"):
-                self.outcome[report.nodeid] = "skipped"
-            else:
-                self.outcome[report.nodeid] = "blocked" if is_blocked(reason) else "skipped"
-        elif report.passed and report.when == "call":
-            self.outcome.setdefault(report.nodeid, "passed")
-
-    def pytest_sessionfinish(self, session, exitstatus):
-        if self.collection_errors or exitstatus in (
-                pytest.ExitCode.INTERRUPTED, pytest.ExitCode.INTERNAL_ERROR,
-                pytest.ExitCode.USAGE_ERROR):
-            # Some tests never ran: a grade would be a lie. An older grade.json would be
-            # read as this run's, so it goes too.
-            if self.json_path.is_file():
-                self.json_path.unlink()
-            return
-        self.graded = True
-        self.rows = {name: Row() for name in MECHANISMS}
-        self.rows["unmapped"] = Row()
-        for nodeid, outcome in self.outcome.items():
-            getattr(self.total, outcome).append(nodeid)
-            for name in self.markers.get(nodeid) or ("unmapped",):
-                getattr(self.rows[name], outcome).append(nodeid)
-        for nodeid, stubs in self.not_done.items():
-            for row in (self.total, *(self.rows[n] for n in
-                                      self.markers.get(nodeid) or ("unmapped",))):
-                row.not_done[nodeid] = stubs
-        report = {
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "duration_s": round(time.time() - self.started, 2),
-            "args": list(self.config.invocation_params.args),
-            "exit_status": int(exitstatus),
-            "gpu": _gpu_present(),
-            "refserve": str(Path(sys.modules["refserve"].__file__).resolve().parent)
-            if "refserve" in sys.modules else None,
-            "mechanisms": {name: {"invariant": MECHANISMS.get(name, "tests no rule maps"),
-                                  **row.to_dict()} for name, row in self.rows.items()},
-            "total": self.total.to_dict(),
-        }
-        self.json_path.parent.mkdir(parents=True, exist_ok=True)
-        self.json_path.write_text(json.dumps(report, indent=2) + "\n")
-
-    def pytest_terminal_summary(self, terminalreporter):
-        tr = terminalreporter
-        if not self.graded:
-            why = (f"{len(self.collection_errors)} collection error(s), shown above"
-                   if self.collection_errors else "the run did not finish")
-            tr.section("grade: not graded", red=True)
-            tr.write_line(f"not graded: {why}; some tests never ran. Fix it and run again "
-                          "(no grade table, no grade.json).", red=True)
-            return
-        tr.section("grade: one row per mechanism")
-        tr.write_line(f"{'mechanism':<17}{'passed':>7}{'failed':>7}{'skipped':>8}"
-                      f"{'blocked':>8}  status")
-        for name, row in [*self.rows.items(), ("TOTAL", self.total)]:
-            d = row.to_dict()
-            if name == "unmapped" and not d["total"]:
-                continue
-            tr.write_line(f"{name:<17}{d['passed']:>7}{d['failed']:>7}{d['skipped']:>8}"
-                          f"{d['blocked']:>8}  {d['status']}",
-                          red=bool(row.failed), green=row.status().startswith("pass"))
-        for name, row in self.rows.items():
-            if row.only_not_done():
-                tr.write_line(f"{name}: not done yet: exercise(s) "
-                              f"{', '.join(row.exercises_not_done())} still raise "
-                              "NotImplementedError")
-            elif row.failed:
-                tr.write_line(f"{name}: invariant broken: {MECHANISMS.get(name, 'unmapped')}")
-            for nodeid in row.failed:
-                stubs = row.not_done.get(nodeid)
-                tr.write_line(f"    {nodeid}" + (f"  (not done yet: {', '.join(sorted(stubs))})"
-                                                 if stubs else ""))
-        tr.write_line(f"wrote {self.json_path}")

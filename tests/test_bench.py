@@ -29,23 +29,23 @@ def test_batching_quick(tmp_path, smollm2_dir, capsys):
     assert cont["useful_tokens"] == static["useful_tokens"] == hf["useful_tokens"] \
         == reference["useful_tokens"]
     # The reference and the tuned backend differ in float rounding only: a near-tie argmax
-    # may flip on some machine, so one request of the eight may differ.
-    assert reference["same_outputs_as_refserve"] >= 7
+    # may flip on some machine, so one request of the four may differ.
+    assert reference["same_outputs_as_refserve"] >= 3
     assert cont["slot_steps_wasted"] == 0 < static["slot_steps_wasted"]
     assert static["slot_steps_wasted"] == hf["slot_steps_wasted"]
     assert cont["steps"] < static["steps"]
     # Same greedy tokens as transformers' generate (left padding may flip a near-tie
     # argmax in float32, so allow one or two): the comparison is like for like.
-    assert hf["same_outputs_as_refserve"] >= 6
+    assert hf["same_outputs_as_refserve"] >= 3
     assert (tmp_path / "bench.png").stat().st_size > 0
     overhead = data["overhead"]
     assert overhead["backend"] == "cpu"
-    assert [(o["backend"], o["running"]) for o in data["overheads"]] == [("cpu", 8),
-                                                                          ("numpy", 8)]
+    assert [(o["backend"], o["running"]) for o in data["overheads"]] == [("cpu", 2),
+                                                                          ("numpy", 2)]
     for o in data["overheads"]:
         assert 0 < o["dense_matmul_floor_ms"] < o["forward_ms"]
         assert o["step_over_floor"] > 1
         assert 0 < o["sampling_top_p_ms"] and 0 < o["sampling_fraction"] < 1
     printed = capsys.readouterr().out
     assert "continuous / refserve static" in printed
-    assert "decode step at 8 running, numpy backend" in printed
+    assert "decode step at 2 running, numpy backend" in printed

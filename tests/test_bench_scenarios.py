@@ -95,7 +95,8 @@ def test_prefix_quick(tmp_path, smollm2_dir):
     assert len(names) == 2 * 4 * 5
     assert {"engine: few-shot: off", "requests: agent loop: radix + lpm, shuffled arrivals"
             } <= names
-    assert any(e["ph"] == "X" and e["name"] == "decode" for e in doc["traceEvents"])
+    # --quick answers one token per request: every engine step there is a prefill
+    assert any(e["ph"] == "X" and e["name"] == "prefill" for e in doc["traceEvents"])
     rows = {(r["workload"], r["config"]): r for r in data["rows"]}
     assert len(rows) == 4 * 5
     for workload in ("few-shot", "multi-turn", "branches", "agent loop"):

@@ -23,6 +23,16 @@ def test_append_rule_16th_token_no_new_block_17th_takes_one():
     assert BlockTable(16).num_new_blocks(0) == 0
 
 
+def test_append_rule_never_negative_when_the_table_holds_spare_blocks():
+    """A table may hold more blocks than a shorter count needs (asked before a chunk, or
+    after rejected drafts): it needs no new block, never a negative number of them."""
+    table = BlockTable(4, [1, 2, 3])
+    assert table.num_new_blocks(5) == 0
+    assert table.num_new_blocks(0) == 0
+    assert table.num_new_blocks(12) == 0
+    assert table.num_new_blocks(13) == 1
+
+
 def test_slot_formula():
     ids = [7, 2, 9]
     for position in range(12):

@@ -32,6 +32,12 @@ def test_blocks_for_1000_tokens():
     assert blocks_for_tokens(17, 16) == 2 and last_block_fill(17, 16) == 1
 
 
+def test_blocks_for_tokens_is_exact_past_float_precision():
+    """Integer ceiling division: a float ceil(n / b) rounds n / b first and loses the +1."""
+    assert blocks_for_tokens(2**53 + 1, 1) == 2**53 + 1
+    assert blocks_for_tokens(2**60 + 1, 16) == 2**56 + 1
+
+
 def test_llama_3_8b_by_hand():
     # 2 (K and V) * 32 layers * 8 KV heads * 128 head_dim * 2 bytes (fp16) = 128 KiB.
     per_token = kv_bytes_per_token(32, 8, 128, 2)

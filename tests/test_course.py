@@ -1,10 +1,11 @@
 """The course machinery: exercise regions, student copies (`python -m refserve.course
-make-student DIR`), grading a copy with `pytest --impl DIR`, and the notebooks' sources.
+make-student DIR`), grading a copy exercise by exercise (`python -m refserve.course grade
+DIR`, `pytest --impl DIR --grade`), and the notebooks' sources.
 
-The central promise: a student copy with one exercise blanked fails a test of that
-exercise's mechanism (and nothing outside the mechanisms it declares), and passes again once
-the reference region is put back. Each exercise costs one short pytest subprocess (stopped at
-the first failure, `-x`), plus one subprocess at the end for the put-back copy.
+The central promise: each exercise is graded alone inside the reference, so its row depends
+on that exercise only. A blank one reads "not done yet" on its own row, a correct one
+passes its row whatever else is blank, and a plausible wrong one (tests/course_mutants.py)
+fails its own row with one plain line and no other row.
 """
 
 from __future__ import annotations
@@ -15,35 +16,43 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grading
 import pytest
+from course_mutants import MUTANTS, mutate
 
-from refserve import course
+from refserve import course, course_grade
+from refserve.course_exercises import find_regions, replace_body
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_EXERCISES = 8
-# A cheap test file of a mechanism the exercise does not touch: it runs first in the same
-# subprocess and must pass (the negative control: blanking one region breaks only its part).
-CONTROL = {"blocks_for_tokens": ("tests/test_block_allocator.py", "allocator")}
-DEFAULT_CONTROL = ("tests/test_capacity.py", "capacity")
+# What a stale mutant fails with (it names something the region no longer has): not a
+# caught mistake.
+STALE = ("SyntaxError", "NameError", "UnboundLocalError", "AttributeError", "ImportError",
+         "ModuleNotFoundError")
 
 
-def run_pytest(impl: Path, args: list[str], grade_json: Path, timeout: int = 240):
-    env = {k: v for k, v in os.environ.items() if k not in ("REFSERVE_IMPL", "PYTHONPATH")}
-    cmd = [sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider",
-           "--impl", str(impl), "--grade", "--grade-json", str(grade_json)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    report = json.loads(grade_json.read_text()) if grade_json.is_file() else None
-    return proc, report
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("REFSERVE_IMPL", "PYTHONPATH")}
 
 
-def failed_tests(report: dict) -> dict[str, set[str]]:
-    """node id -> the mechanisms under which it failed."""
-    out: dict[str, set[str]] = {}
-    for mechanism, row in report["mechanisms"].items():
-        for nodeid in row["failed_tests"]:
-            out.setdefault(nodeid, set()).add(mechanism)
-    return out
+def put_body(copy: Path, name: str, body: str) -> None:
+    """Write `body` (indented from column 0) into exercise `name`'s region of `copy`."""
+    region = {r.name: r for r in find_regions(copy / "refserve")}[name]
+    path = copy / region.path
+    path.write_text(replace_body(path.read_text(), region, body.splitlines(keepends=True), ""))
+
+
+def put_mistake(copy: Path, name: str, old: str, new: str) -> None:
+    """Edit exercise `name`'s region of `copy` (a copy of the reference's) into a mistake
+    (tests/course_mutants.py)."""
+    region = {r.name: r for r in find_regions(copy / "refserve")}[name]
+    lines = (copy / region.path).read_text().splitlines(keepends=True)
+    body = "".join(line.removeprefix(region.indent) for line in region.body(lines))
+    put_body(copy, name, mutate(body, old, new))
+
+
+def rows_by_name(rows) -> dict[str, course_grade.Row]:
+    return {row.exercise: row for row in rows}
 
 
 # ---- regions and the generator -----------------------------------------------------------
@@ -55,10 +64,13 @@ def test_regions_are_well_formed_and_each_has_a_grader():
     assert len(names) >= MIN_EXERCISES, f"only {len(names)} exercise regions: {names}"
     assert sorted(names) == sorted(course.EXERCISES), (
         "every region needs an EXERCISES entry (its mechanism and test files) and vice versa")
+    assert sorted(MUTANTS) == sorted(course.EXERCISES), "every exercise needs wrong bodies"
     for r in regions:
         assert r.hint, f"exercise {r.name} ({r.path}) has no hint on its BEGIN line"
         assert r.end - r.begin >= 2, f"exercise {r.name} has an empty region"
-        for f in course.EXERCISES[r.name].test_files:
+        g = course.EXERCISES[r.name]
+        assert g.mechanism in grading.MECHANISMS, f"exercise {r.name}: unknown {g.mechanism}"
+        for f in g.test_files:
             assert (ROOT / f).is_file(), f"exercise {r.name}: no test file {f}"
 
 
@@ -131,94 +143,215 @@ def test_impl_option_refuses_a_folder_without_refserve(tmp_path):
     assert "is not a refserve package" in proc.stdout + proc.stderr
 
 
-def test_grading_a_student_copy_as_the_readme_writes_it(tmp_path):
-    """`pytest --impl DIR -m "not slow" --grade` with a space: the run grades
-    DIR from this checkout's root, and an untouched copy's rows say "not done yet"."""
+# ---- grading: each exercise alone inside the reference -------------------------------------
+
+
+def test_the_readme_grade_of_a_fresh_copy_reads_not_done_yet_on_every_row(tmp_path):
+    """`pytest --impl DIR -m "not slow" --grade` (with a space, as the README writes it) on
+    an untouched copy: one row per exercise, each "not done yet", nothing else."""
     dest = tmp_path / "student"
     course.make_student(dest)
-    env = {k: v for k, v in os.environ.items() if k not in ("REFSERVE_IMPL", "PYTHONPATH")}
-    # The README's command exactly (collection only: the whole suite is minutes).
     proc = subprocess.run([sys.executable, "-m", "pytest", "--impl", str(dest), "-m",
-                           "not slow", "--co", "-p", "no:cacheprovider"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert f"rootdir: {ROOT}" in proc.stdout
-    assert f"refserve under test: {(dest / 'refserve').resolve()} (--impl)" in proc.stdout
-    assert "error" not in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]
-    # Graded on two files and a notebook: each row fails only on the exercise stubs.
-    proc, report = run_pytest(dest, ["tests/test_block_table.py",
-                                     "notebooks/01_paged_kv_cache.ipynb", "-m", "not slow"],
-                              tmp_path / "g.json")
-    assert proc.returncode == 1 and report is not None, (proc.stdout + proc.stderr)[-3000:]
-    assert report["refserve"] == str((dest / "refserve").resolve())
-    rows = report["mechanisms"]
-    assert rows["block_table"]["status"].startswith("FAIL: not done yet: ")
-    assert "append_rule" in rows["block_table"]["exercises_not_done"]
-    assert rows["course"]["status"].startswith("FAIL: not done yet: "), rows["course"]
-    assert "FAIL: not done yet" in proc.stdout
+                           "not slow", "--grade", "--grade-json", str(tmp_path / "g.json")],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    table = proc.stdout.splitlines()
+    for name, g in course.EXERCISES.items():
+        assert [line.split() for line in table if line.split()[:1] == [name]] == \
+            [[name, g.mechanism, "-", "not", "done", "yet"]]
+    assert f"{len(course.EXERCISES)} not done yet" in proc.stdout
+    report = json.loads((tmp_path / "g.json").read_text())
+    assert report["copy"] == str(dest.resolve()) and report["reference"] == str(ROOT)
+    assert report["exit_status"] == 1 and list(report["exercises"]) == list(course.EXERCISES)
+    assert report["summary"] == {"pass": 0, "fail": 0, "not done yet": len(course.EXERCISES),
+                                 "timed out": 0}
+    row = report["exercises"]["append_rule"]
+    assert row["mechanism"] == "block_table" and row["failed_test"] is None
+    assert row["command"] == f"python -m refserve.course grade {dest.resolve()} " \
+                             "--exercise append_rule"
 
 
-# ---- each exercise is caught by its own mechanism, and only there -------------------------
+def test_one_correct_one_wrong_one_blank_exercise_each_reads_on_its_own_row(tmp_path):
+    """append_rule correct, allocator_decref wrong, the rest blank: append_rule passes
+    though the allocator and blocks_for_tokens it sits beside are not right, the wrong one
+    fails with its assertion in one line, the blank one is not done yet."""
+    dest = tmp_path / "student"
+    course.make_student(dest, only=[n for n in course.EXERCISES
+                                    if n not in ("append_rule", "allocator_decref")])
+    put_mistake(dest, "allocator_decref", *MUTANTS["allocator_decref"][0][1:])
+    names = ["append_rule", "allocator_decref", "blocks_for_tokens"]
+    proc = subprocess.run([sys.executable, "-m", "refserve.course", "grade", str(dest),
+                           *(f"--exercise={n}" for n in names), "--grade-json",
+                           str(tmp_path / "g.json"), "-v"],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "g.json").read_text())["exercises"]
+    assert list(rows) == names
+    append = rows["append_rule"]
+    assert append["status"] == "pass" and append["passed"] == append["selected"] > 0
+    wrong = rows["allocator_decref"]
+    assert wrong["status"] == "fail" and wrong["failed_test"].startswith(
+        "tests/test_block_allocator.py::")
+    assert wrong["line"] == "Failed: DID NOT RAISE ValueError", wrong["line"]
+    assert f"    {wrong['failed_test']}: {wrong['line']}" in proc.stdout.splitlines()
+    # -v: pytest's own report of the rows that do not pass, after the table.
+    report = proc.stdout.split("---- allocator_decref: pytest's report ----\n")[1]
+    assert wrong["failed_test"].split("::")[1] in report
+    assert "---- append_rule:" not in proc.stdout
+    assert rows["blocks_for_tokens"]["status"] == "not done yet"
+    # One exercise alone on 2 cores: its tests split in two processes, and the failure
+    # reported is still the first in collection order.
+    (sharded,) = course_grade.grade(dest, ["allocator_decref"], jobs=2)
+    assert (sharded.failed_test, sharded.line) == (wrong["failed_test"], wrong["line"])
+    # This checkout graded the same way: its own regions pass.
+    (row,) = course_grade.grade(None, ["append_rule"])
+    assert row.status == "pass" and row.command == course_grade.grade_command(None,
+                                                                              "append_rule")
 
 
-def test_each_exercise_fails_its_mechanism_and_passes_with_the_reference(tmp_path):
-    caught: dict[str, str] = {}  # exercise -> the failing node id
-    problems: list[str] = []
-    for name, grading in course.EXERCISES.items():
-        dest = tmp_path / name
-        course.make_student(dest, only=[name])
-        control, control_mechanism = CONTROL.get(name, DEFAULT_CONTROL)
-        assert control not in grading.test_files and control_mechanism not in grading.mechanisms
-        proc, report = run_pytest(dest, [control, *grading.test_files, "-m", "not slow", "-x"],
-                                  tmp_path / f"{name}.json")
-        tail = (proc.stdout + proc.stderr)[-1500:]
-        if report is None or proc.returncode != 1:
-            problems.append(f"{name}: expected one failing test (exit 1), got exit "
-                            f"{proc.returncode}\n{tail}")
+def test_the_hybrid_is_the_reference_but_for_the_one_region(tmp_path):
+    dest = tmp_path / "student"
+    course.make_student(dest)
+    reference = {r.name: r for r in find_regions()}["copy_on_write"]
+    student = {r.name: r for r in find_regions(dest / "refserve")}["copy_on_write"]
+    body = [student.indent + "new_block = self._take_block()  # the student's\n"]
+    hybrid = course_grade.build_hybrid(tmp_path / "h", reference, body, student.indent)
+    for path in sorted((ROOT / "refserve").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        text = (hybrid / rel).read_text()
+        if rel != reference.path:
+            assert text == path.read_text(), f"{rel} differs from the reference"
             continue
-        assert report["refserve"] == str((dest / "refserve").resolve()), report["refserve"]
-        failed = failed_tests(report)
-        control_row = report["mechanisms"][control_mechanism]
-        if f"exercise {name}" not in proc.stdout:
-            problems.append(f"{name}: the failure is not this exercise's NotImplementedError"
-                            f"\n{tail}")
-        if len(failed) != 1:
-            problems.append(f"{name}: expected exactly one failed test with -x, got {failed}")
-            continue
-        (nodeid, mechanisms), = failed.items()
-        if nodeid.startswith(control):
-            problems.append(f"{name}: the control {control} failed: {nodeid}")
-        elif not mechanisms & set(grading.mechanisms):
-            problems.append(f"{name}: {nodeid} failed under {sorted(mechanisms)}, outside the "
-                            f"declared mechanisms {grading.mechanisms}")
-        elif control_row["passed"] == 0 or control_row["failed"]:
-            problems.append(f"{name}: the control {control} ({control_mechanism}) did not "
-                            f"pass: {control_row}")
-        else:
-            caught[name] = nodeid
-    assert not problems, "\n\n".join(problems)
-
-    # Put the reference regions back: the same tests, and the controls, pass on that copy.
-    solved = tmp_path / "solutions"
-    assert course.make_student(solved, solutions=True) == []
-    controls = sorted({f for f, _ in [*CONTROL.values(), DEFAULT_CONTROL]})
-    proc, report = run_pytest(solved, [*controls, *caught.values()],
-                              tmp_path / "solutions.json")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert report["total"]["passed"] >= len(caught)
+        ours, theirs = path.read_text().splitlines(), text.splitlines()
+        assert theirs[:reference.begin + 1] == ours[:reference.begin + 1]
+        assert theirs[reference.begin + 1] == body[0].rstrip("\n")
+        assert theirs[reference.begin + 2:] == ours[reference.end:]
 
 
-# ---- the notebooks ------------------------------------------------------------------------
+def test_a_region_that_does_not_compile_fails_its_row_and_says_where(tmp_path):
+    dest = tmp_path / "student"
+    course.make_student(dest)
+    put_body(dest, "blocks_for_tokens", "x = 1\nreturn (num_tokens +\n")
+    (row,) = course_grade.grade(dest, ["blocks_for_tokens"])
+    region = {r.name: r for r in find_regions(dest / "refserve")}["blocks_for_tokens"]
+    assert row.status == "fail" and row.line.startswith("SyntaxError: ")
+    assert row.line.endswith(f"({dest.resolve() / region.path}:{region.begin + 3})"), row.line
 
 
-def test_notebooks_are_built_from_their_sources_without_outputs():
-    """The committed .ipynb files are exactly what notebooks/build_notebooks.py writes
-    (no outputs, no stale cells). CI executes them: `pytest --nbmake notebooks/`."""
-    proc = subprocess.run([sys.executable, "notebooks/build_notebooks.py", "--check"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        nb = json.loads(path.read_text())
-        for cell in nb["cells"]:
-            assert not cell.get("outputs") and cell.get("execution_count") is None, (
-                f"{path.name} has outputs committed; rebuild it with build_notebooks.py")
+def test_an_exercise_that_hangs_fails_as_timed_out(tmp_path):
+    dest = tmp_path / "student"
+    course.make_student(dest)
+    put_body(dest, "blocks_for_tokens", "while True:\n    pass\n")
+    (row,) = course_grade.grade(dest, ["blocks_for_tokens"], timeout_s=8)
+    assert row.status == "timed out" and row.shown_status(8) == "timed out after 8 s"
+    assert row.line.startswith("timed out after 8 s"), row.line
+    assert row.line == "timed out after 8 s" or row.line.startswith(
+        "timed out after 8 s in tests/test_capacity.py::"), row.line
+    assert row.duration_s < 30
+
+
+def test_bad_copies_and_names_are_refused_before_any_test_runs(tmp_path):
+    def refused(copy, names=None) -> str:
+        with pytest.raises(ValueError) as e:
+            course_grade.grade(copy, names)
+        return str(e.value)
+
+    assert "no such folder" in refused(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    assert "is not a student copy" in refused(tmp_path / "empty")
+    dest = tmp_path / "student"
+    course.make_student(dest)
+    assert f"give the folder that holds it ({dest})" in refused(dest / "refserve")
+    assert "unknown exercise(s) ['no_such']" in refused(dest, ["no_such"])
+    region = {r.name: r for r in find_regions(dest / "refserve")}["append_rule"]
+    path = dest / region.path
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:region.begin] + lines[region.end + 1:]))  # markers gone
+    message = refused(dest)
+    assert "exercise append_rule has no region" in message and "put back" in message
+    assert str(region.path) in message
+    assert course_grade.grade(dest, ["blocks_for_tokens"])[0].status == "not done yet"
+    lines[region.begin] = "# BEGIN EXERCISE Append-Rule\n"
+    path.write_text("".join(lines))
+    message = refused(dest, ["blocks_for_tokens"])
+    assert f"{region.path}:{region.begin + 1}: malformed marker" in message
+    assert "put the marker lines back" in message
+
+
+def test_the_command_line_refuses_with_one_error_line(tmp_path):
+    for args, message in [([str(tmp_path / "nowhere")], "no such folder"),
+                          (["--timeout", "0"], "--timeout 0: must be > 0"),
+                          (["--jobs", "0"], "--jobs 0: must be >= 1"),
+                          (["--grade-json", str(tmp_path)], "is a folder")]:
+        proc = subprocess.run([sys.executable, "-m", "refserve.course", "grade", *args],
+                              cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: "), proc.stderr
+        assert message in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_grading_from_inside_a_student_copy_is_refused(tmp_path):
+    """Inside the copy, `python -m refserve.course` is the copy's own (blank) refserve: it
+    cannot be the reference, and says where to run instead."""
+    dest = tmp_path / "student"
+    course.make_student(dest)
+    proc = subprocess.run([sys.executable, "-m", "refserve.course", "grade", "."], cwd=dest,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "is a student copy" in proc.stderr and "reference checkout" in proc.stderr
+
+
+def test_the_sheet_and_list_give_the_one_command_per_exercise(tmp_path, capsys):
+    dest = tmp_path / "student"
+    course.make_student(dest)
+    sheet = (dest / "EXERCISES.md").read_text()
+    for name in course.EXERCISES:
+        assert f"`python -m refserve.course grade {dest.resolve()} --exercise {name}`" in sheet
+    assert f"    python -m refserve.course grade {dest.resolve()}\n" in sheet
+    names = [line.split("|")[1].strip() for line in sheet.splitlines()
+             if line.startswith("| ") and "`" in line]
+    assert names == list(course.EXERCISES), "the sheet lists the exercises in course order"
+    assert course.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "graded alone" in out and "no exercise depends on another" in out
+    for g in course.EXERCISES.values():
+        assert f'{" ".join(g.test_files)} -m "{g.mechanism} and not slow"' in out
+
+
+@pytest.mark.slow
+def test_every_wrong_body_fails_its_own_row_in_plain_words_and_no_other(tmp_path):
+    """Each plausible mistake in tests/course_mutants.py, graded in whole copies. In the
+    first four rounds half the exercises hold a wrong body (their first, then their second)
+    and the others the reference's, and exactly the wrong ones fail, each with its first
+    failing assertion in one plain line. Further wrong bodies are graded alone after."""
+    names = list(course.EXERCISES)
+    rounds = [{n: MUTANTS[n][k // 2] for i, n in enumerate(names) if i % 2 == k % 2}
+              for k in range(4)]
+    rounds += [{n: mutants[k]} for n, mutants in MUTANTS.items()
+               for k in range(2, len(mutants))]
+    problems = []
+    for k, wrong in enumerate(rounds):
+        dest = tmp_path / f"round{k}"
+        course.make_student(dest, solutions=True)
+        for name, (_, old, new) in wrong.items():
+            try:
+                put_mistake(dest, name, old, new)
+            except ValueError as e:
+                problems.append(f"round {k}, {name}: {e}; update tests/course_mutants.py")
+        for row in course_grade.grade(dest, None if k < 4 else list(wrong)):
+            what = f"round {k}, {row.exercise}"
+            if row.exercise not in wrong:
+                if row.status != "pass":
+                    problems.append(f"{what} (the reference's body): {row.status}: {row.line}")
+                continue
+            mistake = wrong[row.exercise][0]
+            if row.status != "fail":
+                problems.append(f"{what}, '{mistake}' was not caught: {row.status}")
+            elif "\n" in row.line or "ExceptionGroup" in row.line or not row.line:
+                problems.append(f"{what}, '{mistake}': not one plain line: {row.line!r}")
+            elif row.line.startswith(STALE):
+                problems.append(f"{what}, '{mistake}' is stale (update course_mutants.py): "
+                                f"{row.line}")
+    assert not problems, "\n".join(problems)

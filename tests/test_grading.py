@@ -1,8 +1,12 @@
-"""The grader itself (tests/grading.py), run by pytester on small generated test folders."""
+"""The grader itself (tests/grading.py): the mechanism markers, the recorder the course's
+exercise grader reads (`--grade-record`), its one plain line per failure, and `--grade`'s
+hand-over to refserve/course_grade.py. Run by pytester on small generated test folders."""
 
+import builtins
 import json
 from pathlib import Path
 
+import grade_record
 import grading
 import pytest
 
@@ -14,139 +18,12 @@ CONFTEST = 'pytest_plugins = ["grading"]\n'
 def run_isolated(pytester, *args):
     """Run in a fresh process with its own copy of the plugin: the generated files reuse
     real module names (test_scheduler.py ...) that this process has already imported."""
-    pytester.makepyfile(grading=Path(grading.__file__).read_text())
-    return pytester.runpytest_subprocess(*args)
-
-# One file whose tests name their mechanisms themselves, one outcome of each kind.
-EXPLICIT = """
-import pytest
-
-@pytest.mark.scheduler
-def test_admits_fcfs():
-    assert True
-
-@pytest.mark.scheduler
-@pytest.mark.preemption
-def test_preempts_newest():
-    assert True
-
-@pytest.mark.scheduler
-def test_respects_token_budget():
-    assert 3 + 3 <= 5, "token budget exceeded"
-
-@pytest.mark.cow
-def test_copy_before_write():
-    assert True
-
-@pytest.mark.kernels
-def test_kernel_matches_reference():
-    pytest.skip("no GPU: cupy sees no CUDA device")
-
-@pytest.mark.backend_equality
-@pytest.mark.skipif(True, reason="no GPU")
-def test_cupy_equals_numpy():
-    pass
-
-@pytest.mark.sampling
-def test_optional_feature():
-    pytest.skip("needs scipy")
-
-@pytest.fixture
-def broken():
-    raise RuntimeError("fixture broke")
-
-@pytest.mark.allocator
-def test_setup_error(broken):
-    pass
-"""
+    pytester.makepyfile(grading=Path(grading.__file__).read_text(),
+                        grade_record=Path(grade_record.__file__).read_text())
+    return pytester.runpytest_subprocess("-p", "no:nbmake", *args)  # nbmake: 1.5 s of import
 
 
-def run_grade(pytester, *args):
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_explicit=EXPLICIT)
-    result = pytester.runpytest("--grade", *args)
-    return result, json.loads((pytester.path / "grade.json").read_text())
-
-
-def table_row(result, name):
-    rows = [line for line in result.outlines if line.split()[:1] == [name]]
-    assert len(rows) == 1, f"expected one table row for {name}, got {rows}"
-    return rows[0].split()
-
-
-def test_table_lists_every_mechanism_with_right_counts(pytester):
-    result, _ = run_grade(pytester)
-    result.stdout.fnmatch_lines(["*grade: one row per mechanism*"])
-    for name in grading.MECHANISMS:
-        table_row(result, name)
-    #                  passed failed skipped blocked status...
-    assert table_row(result, "scheduler")[1:6] == ["2", "1", "0", "0", "FAIL"]
-    assert table_row(result, "preemption")[1:6] == ["1", "0", "0", "0", "pass"]
-    assert table_row(result, "cow")[1:6] == ["1", "0", "0", "0", "pass"]
-    assert table_row(result, "kernels")[1:] == ["0", "0", "0", "1", "blocked:", "no", "GPU"]
-    assert table_row(result, "backend_equality")[5:] == ["blocked:", "no", "GPU"]
-    assert table_row(result, "sampling")[1:6] == ["0", "0", "1", "0", "skipped"]
-    assert table_row(result, "allocator")[1:6] == ["0", "1", "0", "0", "FAIL"]  # setup error
-    assert table_row(result, "spec_accept")[1:] == ["0", "0", "0", "0", "no", "tests"]
-    # TOTAL counts each test once, though test_preempts_newest carries two mechanisms.
-    assert table_row(result, "TOTAL")[1:5] == ["3", "2", "1", "2"]
-    # A failing mechanism is named with its invariant and its failing tests.
-    result.stdout.fnmatch_lines([f"scheduler: invariant broken: {grading.MECHANISMS['scheduler']}",
-                                 "*test_explicit.py::test_respects_token_budget"])
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
-
-
-def test_grade_json_has_the_fields(pytester):
-    _, report = run_grade(pytester)
-    assert {"created", "duration_s", "args", "exit_status", "gpu", "mechanisms",
-            "total"} <= set(report)
-    assert report["exit_status"] == int(pytest.ExitCode.TESTS_FAILED)
-    assert set(grading.MECHANISMS) <= set(report["mechanisms"])
-    sched = report["mechanisms"]["scheduler"]
-    assert {k: sched[k] for k in ("passed", "failed", "skipped", "blocked", "total")} == \
-        {"passed": 2, "failed": 1, "skipped": 0, "blocked": 0, "total": 3}
-    assert sched["score"] == pytest.approx(2 / 3)
-    assert sched["status"] == "FAIL"
-    assert sched["invariant"] == grading.MECHANISMS["scheduler"]
-    assert sched["failed_tests"] == ["test_explicit.py::test_respects_token_budget"]
-    kernels = report["mechanisms"]["kernels"]
-    assert kernels["status"] == "blocked: no GPU" and kernels["score"] is None
-    assert kernels["blocked_tests"] == ["test_explicit.py::test_kernel_matches_reference"]
-    assert report["total"]["total"] == 8
-
-
-def test_grade_json_path_is_configurable(pytester):
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_one="import pytest\n@pytest.mark.cow\ndef test_a(): pass\n")
-    result = pytester.runpytest("--grade", "--grade-json", "out/g.json")
-    assert result.ret == 0
-    report = json.loads((pytester.path / "out" / "g.json").read_text())
-    assert report["mechanisms"]["cow"]["status"] == "pass"
-    assert not (pytester.path / "grade.json").exists()
-
-
-def test_without_grade_no_table_and_no_json(pytester):
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_one="def test_a(): pass\n")
-    result = pytester.runpytest()
-    assert result.ret == 0
-    assert "grade: one row per mechanism" not in result.stdout.str()
-    assert not (pytester.path / "grade.json").exists()
-
-
-def test_only_blocked_and_passing_tests_exit_zero(pytester):
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_gpu="""
-import pytest
-@pytest.mark.kernels
-def test_needs_gpu(): pytest.skip("no GPU here")
-@pytest.mark.kernels
-def test_on_cpu(): pass
-""")
-    result = pytester.runpytest("--grade")
-    assert result.ret == 0
-    assert table_row(result, "kernels")[1:] == ["1", "0", "0", "1", "pass", "(some", "blocked:",
-                                                "no", "GPU)"]
+# ---- marking ------------------------------------------------------------------------------
 
 
 def test_modules_are_mapped_to_mechanisms_and_minus_m_selects_them(pytester):
@@ -156,26 +33,25 @@ def test_modules_are_mapped_to_mechanisms_and_minus_m_selects_them(pytester):
         test_block_table="def test_append_rule(): pass\n",
         test_scheduler="def test_chunked_prefill_x(): pass\ndef test_admit(): pass\n",
         test_preemption_extra="def test_p(): pass\n",   # fallback: file name
-        test_misc="def test_m(): pass\n",               # no rule: unmapped
+        test_misc="def test_m(): pass\n",               # no rule: no marker
     )
     result = run_isolated(pytester, "-m", "scheduler", "-q", "--co")
     result.stdout.fnmatch_lines(["*2/5 tests collected*"])
     result = run_isolated(pytester, "-m", "chunked_prefill", "-q", "--co")
     result.stdout.fnmatch_lines(["test_scheduler.py::test_chunked_prefill_x", "*1/5 tests*"])
-    result = run_isolated(pytester, "--grade")
-    assert table_row(result, "block_table")[1] == "1"
-    assert table_row(result, "scheduler")[1] == "2"
-    assert table_row(result, "chunked_prefill")[1] == "1"
-    assert table_row(result, "preemption")[1] == "1"
-    assert table_row(result, "unmapped")[1] == "1"
+    result = run_isolated(pytester, "-m", "preemption or block_table", "-q", "--co")
+    result.stdout.fnmatch_lines(["test_block_table.py::test_append_rule",
+                                 "test_preemption_extra.py::test_p", "*2/5 tests*"])
 
 
 def test_a_marker_written_in_the_test_file_wins_over_the_rules(pytester):
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_scheduler="import pytest\n@pytest.mark.cow\ndef test_x(): pass\n")
-    result = run_isolated(pytester, "--grade")
-    assert table_row(result, "cow")[1] == "1"
-    assert table_row(result, "scheduler")[1] == "0"
+    pytester.makepyfile(test_scheduler="import pytest\n@pytest.mark.cow\ndef test_x(): pass\n"
+                                       "def test_y(): pass\n")
+    result = run_isolated(pytester, "-m", "cow", "-q", "--co")
+    result.stdout.fnmatch_lines(["test_scheduler.py::test_x", "*1/2 tests collected*"])
+    result = run_isolated(pytester, "-m", "scheduler", "-q", "--co")
+    result.stdout.fnmatch_lines(["test_scheduler.py::test_y", "*1/2 tests collected*"])
 
 
 @pytest.mark.parametrize("module, name, expected", [
@@ -217,7 +93,7 @@ def test_rules_map_the_course_modules(module, name, expected):
     ("this machine has cupy and a CUDA GPU", False),
 ])
 def test_blocked_means_a_gpu_skip_reason(reason, blocked):
-    assert grading.is_blocked(reason) is blocked
+    assert grade_record.is_blocked(reason) is blocked
 
 
 def test_pyproject_registers_exactly_the_graded_mechanisms():
@@ -228,90 +104,198 @@ def test_pyproject_registers_exactly_the_graded_mechanisms():
     assert names == ["slow", *grading.MECHANISMS]
 
 
-def test_a_collection_error_prints_it_and_grades_nothing(pytester):
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_fine="import pytest\n@pytest.mark.cow\ndef test_a(): pass\n",
-                        test_broken="def test_b(:\n    pass\n")
-    stale = pytester.path / "grade.json"
-    stale.write_text(json.dumps({"mechanisms": {}, "total": {"passed": 99}}))
-    result = pytester.runpytest("--grade")
-    assert result.ret == pytest.ExitCode.INTERRUPTED
-    out = result.stdout.str()
-    assert "SyntaxError" in out and "test_broken.py" in out   # the error itself
-    assert "grade: one row per mechanism" not in out
-    assert "not graded: 1 collection error(s)" in out
-    assert not stale.exists(), "an older grade.json would be read as this run's"
+# ---- recording one exercise's run (--grade-record) ----------------------------------------
 
-
-STUBS = """
+RECORDED = """
 import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-@pytest.mark.block_table
-def test_append():
+
+def test_passes():
+    assert True
+
+
+def test_assert_with_message():
+    assert 3 + 3 <= 5, "token budget exceeded"
+
+
+@settings(max_examples=300)
+@given(st.integers(0, 1000))
+def test_two_bugs(x):
+    # Two different failures: by default Hypothesis reports both, as an exception group.
+    if x > 500:
+        raise ValueError("too big")
+    assert x < 10, "x must be small"
+
+
+class Counter(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    @rule(k=st.integers(0, 5))
+    def add(self, k):
+        self.n += k
+
+    @invariant()
+    def below_seven(self):
+        assert self.n < 7, f"n={self.n}"
+
+
+TestCounter = Counter.TestCase
+
+
+def test_stub():
     raise NotImplementedError("exercise append_rule: blocks needed minus blocks held")
 
-@pytest.mark.block_table
-def test_append_via_a_command(tmp_path):
-    assert False, "stderr: error: exercise append_rule: blocks needed minus blocks held"
 
-@pytest.mark.scheduler
-def test_admit_stub():
-    raise NotImplementedError("exercise scheduler_admit: FCFS")
+def test_gpu():
+    pytest.skip("no GPU: cupy sees no CUDA device")
 
-@pytest.mark.scheduler
-def test_admit_wrong():
-    assert 1 == 2, "admitted out of order"
 
-@pytest.mark.allocator
-def test_not_implemented_elsewhere():
-    raise NotImplementedError("cupy backend: no GPU")
+def test_optional():
+    pytest.skip("needs scipy")
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+
+def test_setup_error(broken):
+    pass
 """
 
 
-def test_rows_that_fail_only_on_exercise_stubs_say_not_done_yet(pytester):
+def record(pytester, name, *args):
+    """Run RECORDED with --grade-record (a subprocess: the grading profile it loads is
+    process-wide). Returns the events."""
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_stubs=STUBS)
-    result = pytester.runpytest("--grade")
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
-    assert table_row(result, "block_table")[5:] == ["FAIL:", "not", "done", "yet:",
-                                                   "append_rule"]
-    assert table_row(result, "scheduler")[5:] == ["FAIL"]       # one real failure
-    assert table_row(result, "allocator")[5:] == ["FAIL"]       # not an exercise stub
-    result.stdout.fnmatch_lines([
-        "block_table: not done yet: exercise(s) append_rule still raise NotImplementedError",
-        "scheduler: invariant broken: *",
-        "*test_stubs.py::test_admit_stub  (not done yet: scheduler_admit)"])
-    report = json.loads((pytester.path / "grade.json").read_text())
-    row = report["mechanisms"]["scheduler"]
-    assert row["status"] == "FAIL" and row["exercises_not_done"] == ["scheduler_admit"]
-    assert row["not_done_tests"] == ["test_stubs.py::test_admit_stub"]
-    assert report["mechanisms"]["block_table"]["status"] == "FAIL: not done yet: append_rule"
+    pytester.makepyfile(test_recorded=RECORDED)
+    path = pytester.path / name
+    run_isolated(pytester, f"--grade-record={path}", "-p", "no:cacheprovider", *args)
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_grade_json_is_checked_before_the_tests_run(pytester):
+def test_the_record_has_each_outcome_and_one_plain_line_per_failure(pytester):
+    events = record(pytester, "first.jsonl")
+    assert events[0] == {"selected": 8}
+    tests = {e["test"].split("::", 1)[1]: e for e in events if "test" in e}
+    started = [e["start"].split("::", 1)[1] for e in events if "start" in e]
+    assert started == list(tests)  # each test announced before its result
+    assert {name: e["outcome"] for name, e in tests.items()} == {
+        "test_passes": "passed", "test_assert_with_message": "failed",
+        "test_two_bugs": "failed", "TestCounter::runTest": "failed", "test_stub": "failed",
+        "test_gpu": "blocked", "test_optional": "skipped", "test_setup_error": "failed"}
+    assert tests["test_passes"]["line"] == ""
+    assert tests["test_assert_with_message"]["line"] == (
+        "AssertionError: token budget exceeded; assert (3 + 3) <= 5")
+    assert tests["test_setup_error"]["line"] == "RuntimeError: fixture broke"
+    assert tests["test_stub"]["not_done"] == ["append_rule"]
+    assert tests["test_two_bugs"]["not_done"] == []
+    # Hypothesis: one bug (never an exception group), its example on the same line.
+    two_bugs = tests["test_two_bugs"]["line"]
+    assert two_bugs.startswith(("ValueError: too big (falsifying example: test_two_bugs(x=",
+                                "AssertionError: x must be small")), two_bugs
+    assert "falsifying example: test_two_bugs(x=" in two_bugs
+    machine = tests["TestCounter::runTest"]["line"]
+    assert machine.startswith("AssertionError: n=") and "; state.add(k=" in machine, machine
+    for e in tests.values():
+        assert "\n" not in e["line"] and "ExceptionGroup" not in e["line"]
+        assert "Explanation" not in e["line"]
+
+
+def test_the_record_is_the_same_on_every_run(pytester):
+    """The grading profile is deterministic: a grade repeats exactly."""
+    first = record(pytester, "first.jsonl")
+    assert record(pytester, "second.jsonl") == first
+
+
+def test_shards_split_the_selection_and_keep_each_test_s_place(pytester):
+    """`--grade-shard I/N`: every Nth test from I; together the shards run each selected
+    test once, and each event keeps the test's place in the whole selection."""
+    whole = [e for e in record(pytester, "whole.jsonl", "-k", "not setup_error")
+             if "test" in e]
+    shards = [record(pytester, f"shard{i}.jsonl", "-k", "not setup_error",
+                     f"--grade-shard={i}/2") for i in range(2)]
+    assert [e["selected"] for e, *_ in shards] == [4, 3]
+    tests = sorted((e for events in shards for e in events if "test" in e),
+                   key=lambda e: e["index"])
+    assert tests == whole and [e["index"] for e in whole] == list(range(7))
+    assert [e["index"] for e in shards[1] if "test" in e] == [1, 3, 5]
+
+
+@pytest.mark.skipif(not hasattr(builtins, "ExceptionGroup"), reason="Python 3.11's builtin")
+def test_plain_line_reads_an_exception_group_through_its_first_exception():
+    group = builtins.ExceptionGroup("2 distinct failures", [AssertionError("assert 2 == 1"),
+                                                     ValueError("other")])
+    assert grade_record.plain_line(group) == "AssertionError: assert 2 == 1"
+
+
+def test_plain_line_folds_the_falsifying_example_and_drops_the_rest():
+    exc = AssertionError("blocks leaked\nassert 3 == 2\n +  where 3 = len([1, 2, 3])\n"
+                         "Full diff:\n  - 2\n  + 3")
+    exc.__notes__ = ["Falsifying example: test_x(\n    a=1,\n    b=[1,\n     2],\n)",
+                     "Draw 1: 0  # or any other generated value",
+                     "Explanation:\n    These lines were always and only run by failing cases"]
+    assert grade_record.plain_line(exc) == (
+        "AssertionError: blocks leaked; assert 3 == 2; + where 3 = len([1, 2, 3]) "
+        "(falsifying example: test_x(a=1, b=[1, 2]); Draw 1: 0)")
+    assert grade_record.plain_line(NotImplementedError()) == "NotImplementedError"
+
+
+def test_fold_example_writes_state_machine_steps_on_one_line():
+    assert grade_record.fold_example("<state machine>\nstate = M()\nstate.add(k=2)\n"
+                                "state.check()") == "state = M(); state.add(k=2); state.check()"
+    long = grade_record.fold_example("test_x(\n" + "a=1,\n" * 200 + ")")
+    assert len(long) == grade_record.MAX_EXAMPLE_CHARS and long.endswith(" ...")
+
+
+def test_last_error_line_of_a_collection_error():
+    text = "ImportError while importing\n\x1b[31mE   ModuleNotFoundError: No module x\x1b[0m\n"
+    assert grade_record.last_error_line(text) == "ModuleNotFoundError: No module x"
+    assert grade_record.last_error_line("just text\nlast\n") == "last"
+
+
+# ---- --grade hands the command to the course grader -----------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grade", "test_a.py"], "--grade with test paths ['test_a.py']"),
+    (["--grade", "-m", "scheduler"], "--grade with -m 'scheduler'"),
+    (["--exercise", "append_rule"], "--exercise NAME goes with --grade"),
+    # pytester's folder is not this checkout: its course grader would not be the reference's
+    (["--grade", "-m", "not slow"], "--grade: refserve was imported from"),
+])
+def test_grade_refuses_what_it_cannot_honour(pytester, args, message):
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_one="def test_a(): pass\n")
-    (pytester.path / "adir").mkdir()
-    result = pytester.runpytest("--grade", "--grade-json", "adir")
+    pytester.makepyfile(test_a="def test_a(): pass\n")
+    result = pytester.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert "--grade-json" in result.stderr.str() and "is a folder" in result.stderr.str()
+    assert message in result.stderr.str()
+    assert not (pytester.path / "grade.json").exists()
+
 
 
 @pytest.mark.parametrize("args, joined", [
     (["--impl", "/s", "-m", "not slow"], ["--impl=/s", "-m", "not slow"]),
     (["--impl=/s", "--grade"], ["--impl=/s", "--grade"]),
     (["-q", "--impl"], ["-q", "--impl"]),
+    (["--grade", "--grade-json", "g.json", "--exercise", "x"],
+     ["--grade", "--grade-json=g.json", "--exercise=x"]),
 ])
 def test_impl_with_a_space_is_joined(args, joined):
     assert grading.join_impl_args(args) == joined
 
 
 def test_exercise_stubs_are_read_from_failure_reports():
-    assert grading.exercises_not_done(
+    assert grade_record.exercises_not_done(
         "E   NotImplementedError: exercise append_rule: blocks needed") == {"append_rule"}
-    assert grading.exercises_not_done(
+    assert grade_record.exercises_not_done(
         "\x1b[0;31mNotImplementedError\x1b[0m: exercise blocks_for_tokens: ceil") == \
         {"blocks_for_tokens"}
-    assert grading.exercises_not_done("raise NotImplementedError('exercise a_b: x')") == {"a_b"}
-    assert grading.exercises_not_done("AssertionError: 3 != 4") == set()
-    assert grading.exercises_not_done("NotImplementedError: contiguous layout") == set()
+    assert grade_record.exercises_not_done(
+        "raise NotImplementedError('exercise a_b: x')") == {"a_b"}
+    assert grade_record.exercises_not_done("AssertionError: 3 != 4") == set()
+    assert grade_record.exercises_not_done("NotImplementedError: contiguous layout") == set()

@@ -751,6 +751,24 @@ def test_drafts_that_do_not_fit_the_budget_are_dropped():
     assert proposals[a.seq_id].token_ids == (1, 2, 3, 4)  # scheduling changed nothing
 
 
+def test_drafts_that_do_not_fit_the_pool_are_dropped_and_preempt_no_one():
+    """Speculation is optional: a verify row whose drafts need a block the pool lacks runs
+    as a plain decode, and no running sequence is preempted to make room for drafts."""
+    for drafter in ("a", "b"):  # the oldest running sequence, then the newest
+        sched, kv, runner = make(num_blocks=2, block_size=4, prefix=False)
+        a, b = make_seq("a", 3, 10), make_seq("b", 3, 10)
+        sched.add_sequence(a)
+        sched.add_sequence(b)
+        step(sched, runner)  # both prefilled: position 3 left in each one's only block
+        seq = a if drafter == "a" else b
+        out = sched.schedule({seq.seq_id: Proposal([7, 8, 9])})  # positions 4-6: no block
+        assert out.preempted == [] and list(sched.running) == [a, b]
+        assert [(r.seq, r.num_scheduled_tokens, r.draft_token_ids) for r in out.scheduled] == \
+            [(a, 1, ()), (b, 1, ())]
+        sched.update(out, runner.execute(out))
+        assert kv.num_held_blocks == 2
+
+
 def test_num_cached_tokens_is_the_hit_of_the_first_scheduling_and_survives_preemption():
     """vLLM's num_cached_tokens: prompt tokens found in the prefix cache when the sequence
     was first scheduled. A readmission after preemption finds more (its own blocks were

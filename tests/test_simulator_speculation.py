@@ -188,7 +188,7 @@ def test_simulate_cli_prints_the_acceptance(capsys):
                           "--speculative-config", '{"method": "ngram", '
                           '"num_speculative_tokens": 3}', "--spec-alpha", "0.5"]) == 0
     out = capsys.readouterr().out
-    assert "spec ngram: acceptance" in out and "acceptance alpha 0.5" in out
+    assert "spec ngram: draft acceptance rate" in out and "acceptance probability α 0.5" in out
     assert simulate_main(["--num-requests", "3", "--no-progress", "--speculative-config",
                           '{"method": "ngram", "num_speculative_tokens": 3}',
                           "--spec-alpha", "1.5"]) == 2

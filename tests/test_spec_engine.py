@@ -182,7 +182,7 @@ def test_greedy_output_identical_and_metrics_add_up(tiny, spec):
     s = llm.last_summary
     assert s.num_spec_proposed == sum(o.metrics.num_spec_proposed for o in outs)
     assert s.target_passes_per_output_token < 1.0
-    assert f"spec {spec['method']}: acceptance" in s.format()
+    assert f"spec {spec['method']}: draft acceptance rate" in s.format()
     d = json.loads(json.dumps(s.to_dict()))
     assert d["speculative_method"] == spec["method"] and 0 <= d["acceptance_rate"] <= 1
     kv = llm.llm_engine.kv_cache_manager

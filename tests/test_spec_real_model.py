@@ -117,4 +117,18 @@ def test_generate_cli_prints_acceptance(smollm2_dir, capsys):
                "--speculative-config", json.dumps(NGRAM), "--ignore-eos", QUOTE])
     assert rc == 0
     err = capsys.readouterr().err
-    assert "spec ngram: acceptance" in err and "mean accepted length" in err
+    assert "spec ngram: draft acceptance rate" in err and "mean accepted length" in err
+
+
+def test_a_self_draft_of_every_layer_is_always_accepted(smollm2_dir):
+    """The control for the weak drafts above: with all 30 layers the draft IS the target, so
+    under greedy decoding every draft must be accepted. The near-zero acceptance of an
+    8-layer self-draft (bench spec, the speculation war story) is then the shallow model's,
+    not a bookkeeping bug (a draft reading the wrong positions or layers fails here)."""
+    layers = make(smollm2_dir).llm_engine.model.config.num_hidden_layers
+    spec = {"method": "draft_model", "model": "self", "num_draft_layers": layers,
+            "num_speculative_tokens": 4, "adaptive": False}
+    llm = make(smollm2_dir, spec)
+    out = llm.generate([CREATIVE], GREEDY, use_tqdm=False)[0]
+    m = out.metrics
+    assert m.num_spec_proposed >= 16 and m.num_spec_accepted == m.num_spec_proposed

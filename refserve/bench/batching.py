@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
                    help="running sequences at which one decode step is taken apart")
     p.add_argument("--overhead-steps", type=int, default=20)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--hf-threads", type=int, default=None,
+                   help="torch threads of the transformers baseline (default: torch's own; "
+                   "on a busy machine 2 threads can run several times slower than 1)")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="the backend of the refserve systems (auto: cupy on a GPU, else cpu)")
     p.add_argument("--no-reference", action="store_true",
@@ -40,8 +43,10 @@ def add_arguments(p) -> None:
 
 
 def apply_quick(args) -> None:
-    args.num_requests, args.mean_output, args.max_running = 8, 24, 4
-    args.overhead_running, args.overhead_steps = [8], 4
+    # 4 requests, 2 seats: the fewest steps in which static still pads (45 vs 48 steps)
+    args.num_requests, args.mean_output, args.max_running = 4, 24, 2
+    args.overhead_running, args.overhead_steps = [2], 3
+    args.hf_threads = 1
 
 
 POSITIVE = ("num_requests", "mean_output", "max_running", "overhead_running", "overhead_steps",
@@ -79,14 +84,18 @@ def run_refserve(llm, workload: Workload, label: str) -> dict:
     }
 
 
-def run_transformers(model_dir: Path, workload: Workload, batch_size: int) -> dict:
+def run_transformers(model_dir: Path, workload: Workload, batch_size: int,
+                     threads: int | None = None) -> dict:
     """transformers' batched generate: request-level batching as its users run it. Batches of
     `batch_size` in arrival order, left-padded, greedy, each batch decoding until its longest
-    request is done (EOS disabled, as in the other systems)."""
+    request is done (EOS disabled, as in the other systems). `threads`: torch's intra-op
+    threads for the run (None: torch's default)."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None
@@ -207,28 +216,31 @@ def run(args) -> dict:
     assert rows[1]["outputs"] == rows[0]["outputs"], "static and continuous outputs differ"
     del static
     with_reference = backend != "numpy" and not args.no_reference
+    reference = None
     if with_reference:
         reference = traced(args, LLM(backend="numpy", **common), "continuous, reference")
         rows.append(run_refserve(reference, wl, "refserve numpy reference"))
         rows[-1]["same_outputs_as_refserve"] = sum(
             a == b for a, b in zip(rows[-1]["outputs"], rows[0]["outputs"]))
-        del reference
     if not args.no_hf:
-        rows.append(run_transformers(cont.llm_engine.model_path, wl, args.max_running))
+        rows.append(run_transformers(cont.llm_engine.model_path, wl, args.max_running,
+                                     args.hf_threads))
         rows[-1]["same_outputs_as_refserve"] = sum(
             a == b for a, b in zip(rows[-1]["outputs"], rows[0]["outputs"]))
     for r in rows:
         r["ms_per_step"] = 1000 * r["elapsed_s"] / max(r["steps"], 1)
-    del cont
-    # Its own engine: the batching engines run at most --max-running sequences at once.
+    # The batching engines run at most --max-running sequences at once: a wider count gets
+    # engines of its own.
     wide_config = {**common, "max_num_seqs": max(args.overhead_running)}
-    wide = LLM(backend=args.backend, **wide_config)
+    fits = max(args.overhead_running) <= args.max_running
+    wide = cont if fits else LLM(backend=args.backend, **wide_config)
     overheads = [overhead_at(wide, n, args.overhead_steps, vocab)
                  for n in sorted(args.overhead_running)]
-    del wide
+    del wide, cont
     if with_reference:
-        overheads.append(overhead_at(LLM(backend="numpy", **wide_config),
+        overheads.append(overhead_at(reference if fits else LLM(backend="numpy", **wide_config),
                                      max(args.overhead_running), args.overhead_steps, vocab))
+    del reference
     result = {"rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
               "overheads": overheads,
               "overhead": max((o for o in overheads if o["backend"] == backend),

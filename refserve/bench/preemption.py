@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
 
 
 def apply_quick(args) -> None:
-    args.contexts, args.num_requests, args.max_tokens = [32, 96], 4, 12
+    args.contexts, args.num_requests, args.max_tokens = [32, 64], 4, 10
 
 
 POSITIVE = ("contexts", "num_requests", "max_tokens", "block_size", "pool_fraction",

@@ -42,7 +42,7 @@ def add_arguments(p) -> None:
 
 
 def apply_quick(args) -> None:
-    args.scale, args.max_tokens = 16, 2
+    args.scale, args.max_tokens = 8, 1   # one step per request: the prefill is the subject
 
 
 POSITIVE = ("scale", "max_tokens", "block_size", "pool_fraction", "max_num_seqs")

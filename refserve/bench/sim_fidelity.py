@@ -60,7 +60,7 @@ def add_arguments(s) -> None:
 
 
 def apply_quick(args) -> None:
-    args.scale = min(args.scale, 0.35)
+    args.scale = min(args.scale, 0.2)
 
 
 @dataclass
@@ -158,15 +158,18 @@ def profile_requests(scale: float, vocab: int, seed: int) -> list[list[Request]]
     a long prompt chunked under 4 decodes."""
     rng = np.random.default_rng([seed, 1])
     phases = []
+    # Prompt lengths shrink below scale 0.5 (the quick run), never below 24 tokens.
+    size = lambda n: max(24, round(n * min(1.0, 2 * scale)))  # noqa: E731
     # (batch, prompt lengths): the contexts do not grow with the batch, so the fit can tell
     # the per-row cost from the per-context-token (KV gather) cost.
     for b, (lo, hi) in ((1, (24, 200)), (2, (24, 200)), (4, (300, 500)), (8, (24, 200)),
                         (16, (24, 100))):
-        phases.append([Request(f"p{b}-{j}", 0.0, _tokens(rng, rng.integers(lo, hi + 1), vocab),
+        phases.append([Request(f"p{b}-{j}", 0.0,
+                               _tokens(rng, rng.integers(size(lo), size(hi) + 1), vocab),
                                max(8, round(16 * scale))) for j in range(b)])
     long = [Request(f"long-{j}", 0.0, _tokens(rng, 24, vocab), max(8, round(40 * scale)))
             for j in range(4)]
-    long.append(Request("long", 0.05, _tokens(rng, 700, vocab), 4))
+    long.append(Request("long", 0.05, _tokens(rng, size(700), vocab), 4))
     phases.append(long)
     return phases
 

@@ -235,7 +235,7 @@ class SimulatedEngine:
         draft = (f" {self.outputs.draft_model.name}"
                  if getattr(self.outputs, "draft_cost", None) is not None else "")
         return (f" | speculative decoding {spec.method}{draft}, k = {spec.k}, adaptive "
-                f"{'on' if spec.adaptive else 'off'}, acceptance alpha "
+                f"{'on' if spec.adaptive else 'off'}, per-token acceptance probability α "
                 f"{self.outputs.alpha:g} unless a request sets its own")
 
     def check_requests(self, requests: list[SimRequest]) -> None:
