@@ -13,7 +13,7 @@ block tables and the pool before and after each operation.
 * WARMUP.md §3 (blocks, the append rule, internal fragmentation) and §4 (ref counts,
   copy-on-write, prefix caching)
 * code: `refserve/kv_cache/` (`block_allocator.py`, `block_table.py`,
-  `kv_cache_manager.py`, `prefix_cache.py`; the radix tree: `radix_cache.py`,
+  `kv_cache_manager.py`, `prefix_cache.py`, `hash_chain.py`; the radix tree: `radix_cache.py`,
   `radix_draw.py`)
 * grading: `pytest -m block_table`, `-m allocator`, `-m cow`, `-m prefix_cache`
 

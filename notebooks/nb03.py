@@ -15,7 +15,7 @@ all k accepted:  emit a bonus token ~ p at the next position
 ```
 
 * WARMUP.md §9 (the proof, the expected length, the speedup with draft cost c)
-* code: `refserve/spec_decode/` (`rejection_sampler.py`, `metrics.py`), `refserve/speculation/ngram.py`
+* code: `refserve/spec_decode/` (`rejection_sampler.py`, `ngram.py`), `refserve/metrics.py`
 * grading: `pytest -m spec_accept`, `-m spec_propose`, `-m spec_e2e`
 """),
     ("code", r"""
@@ -24,8 +24,8 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refserve.spec_decode.metrics import expected_tokens_per_pass
-from refserve.speculation.ngram import propose
+from refserve.metrics import expected_tokens_per_pass
+from refserve.spec_decode.ngram import propose
 from refserve.spec_decode.rejection_sampler import (
     acceptance_probability,
     rejection_sample,

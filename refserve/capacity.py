@@ -29,7 +29,10 @@ import re
 from pathlib import Path
 
 # The block arithmetic is the block table's (its append rule); capacity builds on it.
-from refserve.kv_cache.block_table import blocks_for_tokens  # noqa: F401 (re-exported)
+from refserve.kv_cache.block_table import (  # noqa: F401 (blocks_for_tokens: re-exported)
+    blocks_for_tokens,
+    check_block_size,
+)
 
 # ---- the arithmetic ----------------------------------------------------------------------
 
@@ -53,7 +56,7 @@ def last_block_fill(num_tokens: int, block_size: int) -> int:
 def kv_bytes_per_block(bytes_per_token: int, block_size: int) -> int:
     """block_size * KV bytes per token (all layers' K and V for block_size tokens)."""
     _require_positive_int("bytes_per_token", bytes_per_token)
-    _require_positive_int("block_size", block_size)
+    check_block_size(block_size)
     return block_size * bytes_per_token
 
 

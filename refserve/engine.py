@@ -2,20 +2,9 @@
 abort_request / has_unfinished_requests. (The offline `LLM` API is in refserve/llm.py;
 the outputs are refserve/outputs.py.)
 
-One `step()` is one iteration of continuous batching, eight public stages, each a call a
-notebook can make in its own cell (values flow from one to the next; nothing is stashed):
-
-    proposals = engine.propose()                      # speculative drafts ({} without)
-    out       = scheduler.schedule(proposals)         # admit / advance / preempt
-    inputs    = runner.prepare(out)                   # flat batch + attention metadata
-    runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)  # swaps, copy-on-write
-    logits    = runner.forward(inputs)                # per layer: write_kv, paged_attention
-    sampled   = engine.sample(out, logits, proposals) # a token per row; 1..k+1 per verify
-    update    = scheduler.update(out, sampled)        # append under the stop rules, roll
-                                                      # back, hash, retire, release
-    outputs   = engine.finish_step(out, sampled, update)   # metrics, times, RequestOutputs
-
-The offline API around it (`LLM`, vLLM's names) is refserve/llm.py.
+One `step()` is one iteration of continuous batching, eight public stages (listed in
+`LLMEngine.step`'s docstring, their one listing), each a call a notebook can make in its own
+cell.
 
 `engine.observer` (refserve's, default None) watches a run without being part of it:
 anything with `arrive(request_id, t)`, called by add_request with the arrival time,
@@ -37,6 +26,7 @@ from refserve.config import EngineConfig
 from refserve.engine_setup import plan_kv_pool, resolve_token_budget, startup_lines
 from refserve.kv_cache import KVCacheManager
 from refserve.kv_cache.host_pool import HostBlockPool
+from refserve.logprobs import sampled_logprobs
 from refserve.model_runner import ModelRunner
 from refserve.models.loader import load_tokenizer, resolve_model_path
 from refserve.output_processor import RequestState, make_outputs
@@ -48,11 +38,9 @@ from refserve.scheduler.drafts import Proposals, verify_inputs
 from refserve.scheduler.factory import make_scheduler
 from refserve.scheduler.swapping import swap_stats
 from refserve.sequence import Sequence
-from refserve.spec_decode.adaptive import AdaptiveSpeculation
-from refserve.speculation.cost_probe import dense_seconds
-from refserve.speculation.registry import resolve as resolve_proposer
-from refserve.speculation.speculator import Speculator
-from refserve.speculation.verify import verify
+from refserve.spec_decode.registry import resolve as resolve_proposer
+from refserve.spec_decode.speculator import Speculator
+from refserve.spec_decode.verify import verify
 from refserve.static_runner import StaticBatchRunner
 
 
@@ -71,7 +59,8 @@ class LLMEngine(RequestIntake):
                  **kwargs) -> None:
         from refserve.models.loader import load_model  # lazily: numpy-only until here
 
-        self.config = config = config or EngineConfig(**kwargs)
+        config = config or EngineConfig(**kwargs)
+        self.config = config
         self.progress = progress
         # Speculative decoding's proposer and its options, checked before anything loads.
         proposer_cls, spec = None, config.speculative_config
@@ -79,7 +68,7 @@ class LLMEngine(RequestIntake):
             proposer_cls, spec = resolve_proposer(spec, config)
         self.speculative_config = spec
         self.model_path = resolve_model_path(config.model, progress)
-        self.backend = get_backend(config.backend)
+        self.backend = get_backend(config.backend, enforce_eager=config.enforce_eager)
         # None means the backend's default token budget (config.py), resolved once, here.
         config, budget_source = resolve_token_budget(config, self.backend.name)
         self.config = config
@@ -95,40 +84,38 @@ class LLMEngine(RequestIntake):
                              f"max_position_embeddings={mc.max_position_embeddings}")
         self.eos_token_id = mc.eos_token_id
 
-        # --- speculative decoding: a draft model (if any) shares the KV memory below.
-        loaded = draft_model, draft_cost = (None, 0.0) if spec is None else proposer_cls.load(
+        # --- speculative decoding: (draft model or None, its cost per token); a draft
+        # model shares the KV memory below.
+        loaded = (None, 0.0) if spec is None else proposer_cls.load(
             spec, self.model, self.backend, self.dtype, self.tokenizer, self.max_model_len)
+        draft_model = loaded[0]
 
         # --- the KV pool: the blocks, not the weights, decide how many sequences fit.
-        plan = self.kv_pool_plan = plan_kv_pool(
-            config, mc, self.backend, self.dtype, self.max_model_len,
-            draft_model.config if draft_model is not None else None)
-        self.num_blocks = num_blocks = plan.num_blocks
+        plan = plan_kv_pool(config, mc, self.backend, self.dtype, self.max_model_len,
+                            draft_model.config if draft_model is not None else None)
+        self.kv_pool_plan = plan
+        num_blocks = plan.num_blocks
+        self.num_blocks = num_blocks
         self.block_size = plan.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size,
             enable_prefix_caching=config.enable_prefix_caching
             and config.kv_cache_layout != "contiguous",
             prefix_caching_policy=config.prefix_caching_policy)
-        self.num_host_blocks, self.bytes_per_block = plan.num_host_blocks, plan.bytes_per_block
+        self.num_host_blocks = plan.num_host_blocks
+        self.bytes_per_block = plan.bytes_per_block
         self.scheduler = make_scheduler(
             config, self.kv_cache_manager, self.max_model_len, self.eos_token_id,
             HostBlockPool(self.num_host_blocks) if config.preemption_mode == "swap" else None)
         # Static batching's runner also computes its padding rows (static_runner.py).
         runner = StaticBatchRunner if config.batching == "static" else ModelRunner
         self.runner = runner(self.model, self.backend, num_blocks, self.block_size,
-                             enforce_eager=config.enforce_eager,
                              num_host_blocks=self.num_host_blocks)
         self.sampler = Sampler(self.backend)
         # Speculative decoding: the propose stage (None: every row samples one token).
-        self.speculator = None
-        if spec is not None:
-            proposer = proposer_cls.create(spec, loaded, self.backend, num_blocks,
-                                           self.block_size)
-            adaptive = AdaptiveSpeculation(spec.k, draft_cost, enabled=spec.adaptive)
-            adaptive.calibrate(lambda rows, repeats: dense_seconds(self.model, rows, repeats),
-                               config.max_num_batched_tokens)  # the verify step's cost
-            self.speculator = Speculator(proposer, adaptive, self.max_model_len)
+        self.speculator = None if spec is None else Speculator.create(
+            proposer_cls, spec, loaded, self.model, self.backend, num_blocks,
+            self.block_size, self.max_model_len, config.max_num_batched_tokens)
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         # vLLM's engine-level seed: an unseeded request gets its seed from this stream, so
@@ -146,8 +133,20 @@ class LLMEngine(RequestIntake):
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
-        """One iteration of continuous batching: exactly the eight public stages of the
-        module docstring, in order (a notebook runs each one in its own cell).
+        """One iteration of continuous batching: exactly these eight public stages, in
+        order (a notebook runs each one in its own cell; values flow from one to the next,
+        nothing is stashed):
+
+            proposals = engine.propose()                 # speculative drafts ({} without)
+            out       = scheduler.schedule(proposals)    # admit / advance / preempt
+            inputs    = runner.prepare(out)              # flat batch + attention metadata
+            runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)  # swaps, CoW
+            logits    = runner.forward(inputs)           # per layer: write_kv, attention
+            sampled   = engine.sample(out, logits, proposals)  # 1 token a row, 1..k+1 a
+                                                         # verify row
+            update    = scheduler.update(out, sampled)   # append under the stop rules,
+                                                         # roll back, hash, retire, release
+            outputs   = engine.finish_step(out, sampled, update)  # metrics, RequestOutputs
 
         If any stage before `update` fails, nothing of the step has been applied: the
         engine raises EngineStepError naming the requests, the scheduler redoes the same
@@ -185,7 +184,7 @@ class LLMEngine(RequestIntake):
 
     def propose(self) -> Proposals:
         """The proposal stage: this step's drafts by seq_id, for the running sequences that
-        may speculate (speculation/speculator.py); {} without speculative decoding. The
+        may speculate (spec_decode/speculator.py); {} without speculative decoding. The
         drafts are values: they live until this step's update (scheduler/drafts.py)."""
         return {} if self.speculator is None else self.speculator.propose(self.scheduler.running)
 
@@ -193,7 +192,7 @@ class LLMEngine(RequestIntake):
                proposals: Proposals | None = None) -> SampledTokens:
         """The sampling stage: one token per sampling row of `out`, from its logits row;
         1..k+1 tokens per speculative verify row (num_logits = k + 1), from its k + 1 logits
-        rows by the accept / residual-resample step (speculation/verify.py, which states the
+        rows by the accept / residual-resample step (spec_decode/verify.py, which states the
         order in which a verify row draws its uniforms from the sequence's generator), with
         the drafts' q from `proposals` (the propose stage's result).
 
@@ -214,7 +213,8 @@ class LLMEngine(RequestIntake):
             tokens, logprobs = self._sample_rows(logits[first[plain]], seqs,
                                                  [s.generator for s in seqs])
             for i, seq, token, lp in zip(plain, seqs, tokens, logprobs):
-                result.token_ids[seq.seq_id], result.logprobs[seq.seq_id] = [token], lp
+                result.token_ids[seq.seq_id] = [token]
+                result.logprobs[seq.seq_id] = lp
                 if seq.awaiting_fork:
                     result.children[seq.seq_id] = self._draw_children(
                         logits[first[i]:first[i] + 1], seq)
@@ -273,11 +273,10 @@ class LLMEngine(RequestIntake):
                        output_token_ids=[s.output_token_ids for s in seqs],
                        eos_token_id=self.eos_token_id,
                        bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
+        tokens = self.sampler.sample(logits, params, generators, **context)
         if all(p.logprobs is None for p in params):
-            return self.sampler.sample(logits, params, generators, **context), [None] * len(seqs)
-        out = self.sampler.sample_with_logprobs(logits, params, generators,
-                                                decode=self.decode_token, **context)
-        return out.token_ids, out.logprobs
+            return tokens, [None] * len(seqs)
+        return tokens, sampled_logprobs(logits, tokens, params, self.decode_token)
 
     def stats(self) -> dict:
         """The engine's counters since start-up (LLM.generate reports one call's share)."""

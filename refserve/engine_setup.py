@@ -104,8 +104,11 @@ def plan_kv_pool(config: EngineConfig, model_config, backend, dtype, max_model_l
     capacity.check_pool_holds_one_sequence(num_blocks, block_size, max_model_len, knob)
     num_host_blocks = (host_blocks_for_swap_space(config.swap_space, bytes_per_block)
                        if config.preemption_mode == "swap" else 0)
-    return KVPoolPlan(block_size, bytes_per_token, bytes_per_block, draft_bytes_per_token,
-                      draft_bytes_per_block, num_blocks, knob, num_host_blocks)
+    return KVPoolPlan(block_size=block_size, bytes_per_token=bytes_per_token,
+                      bytes_per_block=bytes_per_block,
+                      draft_bytes_per_token=draft_bytes_per_token,
+                      draft_bytes_per_block=draft_bytes_per_block, num_blocks=num_blocks,
+                      knob=knob, num_host_blocks=num_host_blocks)
 
 
 def startup_lines(config: EngineConfig, backend_name: str, model_name: str,

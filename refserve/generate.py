@@ -30,6 +30,7 @@ from refserve.entrypoints.cli_common import (
     ArgumentParser,
     CLIError,
     check_output_path,
+    write_trace,
 )
 from refserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from refserve.prompt_files import PromptFileError, read_prompts
@@ -210,15 +211,6 @@ def run(args) -> int:
     report(args, list(enumerate(outputs)), llm.last_summary, streamed=stream)
     write_trace(trace, args.trace)
     return 0
-
-
-def write_trace(trace, path) -> None:
-    if trace is None:
-        return
-    try:
-        trace.write(path)
-    except OSError as e:
-        raise CLIError(f"--trace {path}: cannot write it ({e.strerror})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,13 +19,14 @@ c. logit_bias: logit'[t] = logit[t] + bias[t] (OpenAI's: -100 bans a token in pr
        logit'[t] = logit[t] - f * count[t] - p * (count[t] > 0)
    where count[t] is how often t was generated. Negative values encourage repetition.
 
-Each function edits `row` (a float32 vector of length vocab) in place and returns it; the
-caller passes a copy if it must keep the model's logits.
+Each function edits `row` (a float32 vector of length vocab) in place and returns it;
+`apply_processors` runs them in this order on a copy of a batch's rows (the Sampler's first
+step, refserve/sampling.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
@@ -41,7 +42,7 @@ def apply_allowed_token_ids(row: np.ndarray, params: SamplingParams) -> np.ndarr
     return row
 
 
-def bad_words_token_ids(bad_words: Sequence[str], tokenizer) -> list[list[int]]:
+def bad_words_token_ids(bad_words: SequenceOf[str], tokenizer) -> list[list[int]]:
     """Rule b's token sequences: each word (leading spaces stripped) as it encodes at the
     start of a text, and with one leading space when that gives a different first token
     and the same number of tokens (a word-initial variant, not a split of the word)."""
@@ -55,8 +56,8 @@ def bad_words_token_ids(bad_words: Sequence[str], tokenizer) -> list[list[int]]:
     return out
 
 
-def apply_bad_words(row: np.ndarray, token_ids: Sequence[Sequence[int]],
-                    output_token_ids: Sequence[int]) -> np.ndarray:
+def apply_bad_words(row: np.ndarray, token_ids: SequenceOf[SequenceOf[int]],
+                    output_token_ids: SequenceOf[int]) -> np.ndarray:
     """Rule b: ban the token that would complete any bad-word sequence now."""
     out = list(output_token_ids)
     for seq in token_ids:
@@ -86,8 +87,8 @@ def apply_min_tokens(row: np.ndarray, params: SamplingParams, num_output_tokens:
     return row
 
 
-def apply_penalties(row: np.ndarray, params: SamplingParams, prompt_token_ids: Sequence[int],
-                    output_token_ids: Sequence[int]) -> np.ndarray:
+def apply_penalties(row: np.ndarray, params: SamplingParams, prompt_token_ids: SequenceOf[int],
+                    output_token_ids: SequenceOf[int]) -> np.ndarray:
     """Rules 2 and 3 (repetition, then frequency and presence)."""
     if params.repetition_penalty != 1.0:
         seen = np.unique(np.concatenate([np.asarray(prompt_token_ids, dtype=np.int64),
@@ -102,3 +103,36 @@ def apply_penalties(row: np.ndarray, params: SamplingParams, prompt_token_ids: S
         row[tokens] -= (np.float32(params.frequency_penalty) * counts.astype(np.float32)
                         + np.float32(params.presence_penalty))
     return row
+
+
+def apply_processors(x: np.ndarray, params: SequenceOf[SamplingParams], rows: SequenceOf[int],
+                     prompt_token_ids=None, output_token_ids=None, eos_token_id=None,
+                     bad_words_token_ids=None) -> np.ndarray:
+    """A copy of the float32 logits `x` [N, V] after the processors above, in that order,
+    of `rows`, the rows whose params use one. The per-row lists (one per row of x) are
+    needed only by the rules that read them: output_token_ids by penalties, min_tokens and
+    bad_words, prompt_token_ids by repetition_penalty, bad_words_token_ids by bad_words;
+    ValueError names what is missing."""
+    x = x.copy()
+    for i in rows:
+        p = params[i]
+        needs_output = p.has_penalties or p.min_tokens or p.bad_words
+        if (needs_output and output_token_ids is None) or (
+                p.repetition_penalty != 1.0 and prompt_token_ids is None) or (
+                p.bad_words and bad_words_token_ids is None):
+            raise ValueError("Sampler: SamplingParams with penalties, min_tokens or "
+                             "bad_words need output_token_ids (and prompt_token_ids for "
+                             "repetition_penalty, bad_words_token_ids for bad_words), "
+                             "one list per row")
+        if p.allowed_token_ids is not None:
+            apply_allowed_token_ids(x[i], p)
+        if p.bad_words:
+            apply_bad_words(x[i], bad_words_token_ids[i], output_token_ids[i])
+        if p.min_tokens:
+            apply_min_tokens(x[i], p, len(output_token_ids[i]), eos_token_id)
+        if p.logit_bias:
+            apply_logit_bias(x[i], p)
+        if p.has_penalties:
+            apply_penalties(x[i], p, prompt_token_ids[i] if prompt_token_ids else [],
+                            output_token_ids[i])
+    return x

@@ -24,7 +24,8 @@ dict has exactly V entries and its probabilities sum to 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,8 +49,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def compute_logprobs(logits: np.ndarray, token_ids: Sequence[int],
-                     num_logprobs: int | Sequence[int],
+def compute_logprobs(logits: np.ndarray, token_ids: SequenceOf[int],
+                     num_logprobs: int | SequenceOf[int],
                      decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
     """For each row i of `logits` [N, V]: the logprob and rank of `token_ids[i]` plus the
     top `num_logprobs` (one int for all rows, or one per row) tokens of that row.
@@ -89,7 +90,23 @@ def compute_logprobs(logits: np.ndarray, token_ids: Sequence[int],
     return results
 
 
-def prompt_logprobs(logits: np.ndarray, prompt_token_ids: Sequence[int], num_logprobs: int,
+def sampled_logprobs(logits: np.ndarray, token_ids: SequenceOf[int], params,
+                     decode: Callable[[int], str] | None = None
+                     ) -> list[dict[int, Logprob] | None]:
+    """Per row of `logits` [N, V] (the raw logits the Sampler drew `token_ids` from): vLLM's
+    {token_id: Logprob} of the sampled token and the top `params[i].logprobs`, or None for
+    a row whose params did not ask (`logprobs=None`)."""
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    result: list[dict[int, Logprob] | None] = [None] * len(token_ids)
+    if asked:
+        found = compute_logprobs(np.asarray(logits)[asked], [token_ids[i] for i in asked],
+                                 [params[i].logprobs for i in asked], decode)
+        for i, d in zip(asked, found):
+            result[i] = d
+    return result
+
+
+def prompt_logprobs(logits: np.ndarray, prompt_token_ids: SequenceOf[int], num_logprobs: int,
                     decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob] | None]:
     """vLLM's `prompt_logprobs` for a whole prompt: entry j scores prompt token j given
     tokens 0..j-1, so it is read from the logits row of position j-1. Entry 0 is None (no

@@ -17,12 +17,19 @@ Speculative decoding (terms of refserve/spec_decode/__init__.py):
     draft acceptance rate       = accepted / proposed (vLLM's name). Not α, the per-token
                                   acceptance probability of the formula: drafts after a
                                   rejection count as proposed but were never tested, so at
-                                  k = 4 and α = 0.3 the rate is about 10.6%
-                                  (refserve/spec_decode/metrics.py)
+                                  k = 4 and α = 0.3 the rate is about 10.6% (below)
     mean accepted length        = (accepted + verify steps) / verify steps: tokens emitted per
                                   verify pass, the recovered or bonus token included
+                                  (vLLM's "mean acceptance length")
     target passes per token     = target passes that sampled for the request / output tokens
                                   (1.0 without speculation; below 1 is what speculation buys)
+
+If each draft is accepted independently with probability α (Leviathan et al.), a verify
+step with k drafts emits on average
+
+    E[tokens per target pass] = 1 + α + α² + ... + α^k = (1 - α^(k+1)) / (1 - α)
+
+(`expected_tokens_per_pass`), while accepted / proposed = α (1 - α^k) / (k (1 - α)).
 """
 
 from __future__ import annotations
@@ -95,6 +102,18 @@ class RequestMetrics(SpecRatios):
                 "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_length": self.mean_accepted_length,
                 "target_passes_per_output_token": self.target_passes_per_output_token}
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """(1 - α^(k+1)) / (1 - α): tokens one verify step of k drafts emits on average, when
+    each draft is accepted with probability α (k + 1 when α = 1)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha!r}: must be in [0, 1]")
+    if k < 0:
+        raise ValueError(f"k={k!r}: must be >= 0")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def spec_acceptance_rate(proposed: int, accepted: int) -> float | None:

@@ -1,13 +1,11 @@
-"""From a scheduler decision to logits: the runner's three stages of one engine step.
+"""From a scheduler decision to logits: the runner's three stages of one engine step,
+`prepare`, `copy_blocks` and `forward` (LLMEngine.step lists all eight).
 
-    inputs = runner.prepare(out)            # host: flatten the rows into integer arrays
-    runner.copy_blocks(out.block_copies, out.swap_out, out.swap_in)  # swaps, copy-on-write
-    logits = runner.forward(inputs)         # device: one model forward; logits to the host
-
-`prepare` is the whole translation. Each row `s` of `out.scheduled` computes the query tokens
-`(seq.token_ids + s.draft_token_ids)[s.start : s.start + s.num_tokens]`, and its last
-`s.num_logits` tokens need logits. Rows are laid out *decodes first* (q_len == 1, in
-scheduler order), then the others (prefill chunks, speculative verifies), and for each:
+`prepare` is the whole translation, on the host. Each row `s` of `out.scheduled` computes
+the query tokens `(seq.token_ids + s.draft_token_ids)[s.start : s.start +
+s.num_scheduled_tokens]`, and its last `s.num_logits` tokens need logits. Rows are laid
+out *decodes first* (q_len == 1, in scheduler order), then the others (prefill chunks,
+speculative verifies), and for each:
 
     positions        start, start+1, ..., start+q-1           (absolute positions)
     slot_mapping     slot(p) = block_table[p // block_size] * block_size + p % block_size
@@ -38,8 +36,7 @@ from refserve.kv_cache.block_table import slot_mapping as compute_slots
 @dataclass
 class ModelInputs:
     """One step's flat batch. Arrays are host NumPy (printable); `attn` holds the device
-    copies of the attention arrays and the host scalars; `input_ids_device` etc. are the
-    device copies the forward reads (the same objects on the CPU backends).
+    copies of the attention arrays and the host scalars.
 
     row_order[i] is the index in `out.scheduled` of flat row i (decodes first).
     """
@@ -53,12 +50,10 @@ class ModelInputs:
     logits_indices: np.ndarray   # [R] int64, R = sum of num_logits, scheduler order
     row_order: np.ndarray        # [S] int
     attn: AttentionMetadata
-    input_ids_device: object = None
-    positions_device: object = None
-    logits_indices_device: object = None
 
     @property
-    def num_tokens(self) -> int:
+    def num_batched_tokens(self) -> int:
+        """T, the batch's query tokens (SchedulerOutput.num_batched_tokens)."""
         return len(self.input_ids)
 
     @property
@@ -68,7 +63,7 @@ class ModelInputs:
     def __str__(self) -> str:
         a = self.attn
         lines = [
-            f"ModelInputs: {len(self.row_order)} rows, {self.num_tokens} tokens, "
+            f"ModelInputs: {len(self.row_order)} rows, {self.num_batched_tokens} tokens, "
             f"{self.num_logits} logits rows | num_decodes {a.num_decodes} | "
             f"max_decode_context_len {a.max_decode_context_len}",
             f"  row_order        {self.row_order.tolist()}   (flat row -> scheduled row)",
@@ -103,16 +98,19 @@ def attention_metadata(slot_mapping, query_start_loc, context_lens, block_tables
     the device once, the host values computed once (decode rows are the first num_decodes)."""
     num_decodes = int((np.diff(query_start_loc) == 1).sum())
     return AttentionMetadata(
-        to_device(slot_mapping), to_device(query_start_loc), to_device(context_lens),
-        to_device(block_tables), num_decodes, int(context_lens[:num_decodes].max(initial=0)),
-        query_start_loc, context_lens, block_tables, len(context_lens))
+        slot_mapping=to_device(slot_mapping), query_start_loc=to_device(query_start_loc),
+        context_lens=to_device(context_lens), block_tables=to_device(block_tables),
+        num_seqs=len(context_lens), num_decodes=num_decodes,
+        max_decode_context_len=int(context_lens[:num_decodes].max(initial=0)),
+        query_start_loc_cpu=query_start_loc, context_lens_cpu=context_lens,
+        block_tables_cpu=block_tables)
 
 
 class ModelRunner:
     """Owns the model and its KV cache; prepares, copies and runs one scheduler step."""
 
     def __init__(self, model, backend, num_blocks: int, block_size: int,
-                 enforce_eager: bool = False, num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0) -> None:
         c = model.config
         self.model = model
         self.backend = backend
@@ -126,11 +124,6 @@ class ModelRunner:
         self.host_kv_caches = backend.allocate_host_kv_cache(
             c.num_hidden_layers, num_host_blocks, block_size, c.num_key_value_heads,
             c.head_dim, dtype=dtype) if num_host_blocks else None
-        # CUDA graphs for pure decode steps (refserve/backends/cuda_graphs.py), on backends
-        # that offer them (CuPy); None: every step runs the eager forward.
-        make_graphs = None if enforce_eager else getattr(backend, "make_decode_graphs", None)
-        self.decode_graphs = (make_graphs(model, self.kv_caches, block_size)
-                              if make_graphs is not None else None)
         self.time_in_forward = 0.0  # seconds inside model.forward (the rest is overhead)
 
     # ------------------------------------------------------------------ stage 1: prepare
@@ -140,7 +133,8 @@ class ModelRunner:
         (arrays moved to the device once, scalars computed on the host once). Raises
         IndexError on a position without a block."""
         rows = out.scheduled if rows is None else rows
-        order = sorted(range(len(rows)), key=lambda i: rows[i].num_tokens > 1)  # decodes first
+        # Decodes first: a row of one query token sorts before the others.
+        order = sorted(range(len(rows)), key=lambda i: rows[i].num_scheduled_tokens > 1)
         width = max([1] + [len(s.block_ids) for s in rows])
         block_tables = np.full((len(rows), width), PAD_BLOCK, dtype=np.int32)
         input_ids, positions, slots, context_lens = [], [], [], []
@@ -148,16 +142,17 @@ class ModelRunner:
             s = rows[i]
             block_tables[flat, :len(s.block_ids)] = s.block_ids
             # BEGIN EXERCISE runner_prepare: a row's query tokens, positions, slots, context_len
-            # (token_ids + drafts)[start:end]; a verify row's drafts follow its last token
-            input_ids += (s.seq.token_ids[s.start:] + list(s.draft_token_ids))[:s.num_tokens]
-            positions += range(s.start, s.start + s.num_tokens)
+            # (token_ids + drafts)[start:start + n]; a verify row's drafts follow its last token
+            n = s.num_scheduled_tokens
+            input_ids += (s.seq.token_ids[s.start:] + list(s.draft_token_ids))[:n]
+            positions += range(s.start, s.start + n)
             # The row's own table, not the padded row: a position without a block raises
             # IndexError instead of turning PAD_BLOCK into a negative slot.
-            slots += compute_slots(s.block_ids, positions[-s.num_tokens:],
-                                   self.block_size).tolist()
-            context_lens.append(s.start + s.num_tokens)  # keys visible after the writes
+            slots += compute_slots(s.block_ids, positions[-n:], self.block_size).tolist()
+            context_lens.append(s.start + n)  # keys visible after the writes
             # END EXERCISE
-        query_start_loc = np.cumsum([0] + [rows[i].num_tokens for i in order], dtype=np.int32)
+        query_start_loc = np.cumsum([0] + [rows[i].num_scheduled_tokens for i in order],
+                                    dtype=np.int32)
         row_end = dict(zip(order, query_start_loc[1:].tolist()))  # one past a row's last token
         # Logits rows in scheduler order: each row's last num_logits tokens.
         logits_indices = [t for i, s in enumerate(rows)
@@ -166,12 +161,13 @@ class ModelRunner:
             np.array(a, dtype=np.int64) for a in (input_ids, positions, slots, logits_indices,
                                                   order))
         context_lens = np.array(context_lens, dtype=np.int32)
-        to_dev = self.backend.to_device
+        attn = attention_metadata(slots, query_start_loc, context_lens, block_tables,
+                                  self.backend.to_device)
         return ModelInputs(
-            input_ids, positions, slots, block_tables, context_lens, query_start_loc,
-            logits_indices, order,
-            attention_metadata(slots, query_start_loc, context_lens, block_tables, to_dev),
-            to_dev(input_ids), to_dev(positions), to_dev(logits_indices))
+            input_ids=input_ids, positions=positions, slot_mapping=slots,
+            block_tables=block_tables, context_lens=context_lens,
+            query_start_loc=query_start_loc, logits_indices=logits_indices, row_order=order,
+            attn=attn)
 
     # ------------------------------------------------------------------ stage 2: copy
     def copy_blocks(self, block_copies, swap_out=(), swap_in=()) -> None:
@@ -191,27 +187,19 @@ class ModelRunner:
                         op(k, v, host_k, host_v, pairs)
         if not len(block_copies):
             return
-        pairs = np.asarray(list(block_copies), dtype=np.int64).reshape(-1, 2)
-        if len(np.unique(pairs[:, 1])) != len(pairs):
-            raise ValueError(f"copy_blocks: a destination block appears twice in "
-                             f"{pairs.tolist()}; each CoW copy needs its own block")
-        src_to_dst = self.backend.to_device(pairs)
+        src_to_dst = self.backend.to_device(np.asarray(list(block_copies), dtype=np.int64))
         for k_cache, v_cache in self.kv_caches:
             self.backend.copy_blocks(k_cache, v_cache, src_to_dst)
 
     # ------------------------------------------------------------------ stage 3: forward
     def forward(self, inputs: ModelInputs) -> np.ndarray:
-        """One model forward over the prepared batch. Returns float32 logits on the host,
+        """One model forward over the prepared batch (`backend.forward`: on the CPU backends
+        the model's forward itself). Returns float32 logits on the host,
         [inputs.num_logits, vocab], rows in scheduler order. The only device->host copy of
         the step is this result."""
         if not len(inputs.input_ids):
             return np.zeros((0, self.model.config.vocab_size), dtype=np.float32)
         t0 = time.perf_counter()
-        graphs = self.decode_graphs
-        logits = graphs.run(inputs) if graphs is not None and graphs.can_run(inputs) else None
-        if logits is None:  # no graph for this batch, or its capture failed: eager
-            logits = self.model.forward(inputs.input_ids_device, inputs.positions_device,
-                                        inputs.attn, self.kv_caches, inputs.logits_indices_device)
-        logits = self.backend.to_numpy(logits)
+        logits = self.backend.to_numpy(self.backend.forward(self.model, inputs, self.kv_caches))
         self.time_in_forward += time.perf_counter() - t0
         return logits

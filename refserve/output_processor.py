@@ -110,8 +110,10 @@ def make_output(req: RequestState, now: float) -> RequestOutput:
         cumulative = (None if lps is None else float(sum(
             d[t].logprob for d, t in zip(lps, seq.output_token_ids))))
         completions.append(CompletionOutput(
-            i, visible_text(seq, hold), list(seq.output_token_ids), cumulative, lps,
-            seq.status.finish_reason, seq.stop_reason))
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                         req.prompt_logprobs, completions, req.finished, req.metrics,
-                         req.seqs[0].num_cached_tokens or 0)
+            index=i, text=visible_text(seq, hold), token_ids=list(seq.output_token_ids),
+            cumulative_logprob=cumulative, logprobs=lps,
+            finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+    return RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        prompt_logprobs=req.prompt_logprobs, outputs=completions, finished=req.finished,
+        metrics=req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens or 0)

@@ -26,7 +26,8 @@ def score_prompt(engine, token_ids: list[int], num_logprobs: int) -> list:
     for start in range(0, n, chunk):
         size = min(chunk, n - start)
         out = SchedulerOutput(step=0, scheduled=[ScheduledSequence(
-            seq, size, start, size, block_ids=list(range(num_blocks)))])
+            seq=seq, start=start, num_scheduled_tokens=size, num_logits=size,
+            block_ids=list(range(num_blocks)))])
         logits = runner.forward(runner.prepare(out))
         # Row i predicts prompt token start + i + 1 (the prompt's last row predicts none).
         targets = token_ids[start + 1:start + size + 1]

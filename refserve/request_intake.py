@@ -58,9 +58,11 @@ class RequestIntake:
         seed = params.seed
         if seed is None and self.config.seed is not None:
             seed = int(self._seed_stream.integers(2**31))
-        req = RequestState(request_id, prompt if isinstance(prompt, str) else None, token_ids,
-                       params, RequestMetrics(arrival_time=now,
-                                              num_prompt_tokens=len(token_ids)), seed)
+        req = RequestState(
+            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids, params=params,
+            metrics=RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)),
+            seed=seed)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = score_prompt(self, token_ids, params.prompt_logprobs)
         seq = Sequence(request_id, token_ids, params, now)

@@ -2,19 +2,16 @@
 
     x = logits after the logits processors (allowed_token_ids, bad_words, min_tokens,
         logit_bias, penalties: logits_processors.py)             host-side control code
-    greedy (temperature < 1e-5, vLLM's cut-off):  argmax(x)              here
-    otherwise:   p = softmax(x / T)                            the draw: backend.sample
-                 min_p:  keep t with p[t] >= min_p * max(p)
+    greedy (temperature < GREEDY_BELOW = 1e-5, vLLM's cut-off):  argmax(x)     here
+    otherwise, THE NUCLEUS (the backend's op `sampling_weights`):
+                 e = exp((x - max x) · (1/T))                  p up to a constant
+                 min_p:  keep t with e[t] >= min_p             (p[t] >= min_p · max p)
                  top_k:  keep t with x[t] >= the k-th largest x          (0 = off)
-                 top_p:  renormalise over what is kept; keep t if the mass of the kept
-                         tokens with a larger logit than t is < top_p    (the nucleus)
-                 draw one token from p restricted to the kept set, renormalised.
-
-The draw (warp, filter, inverse CDF) is the backend's data-plane op `backend.sample`
-(refserve/backends/base.py states it exactly; the reference is a sort per row in
-numpy_backend.py). This file is the control around it: the processors, greedy rows' argmax,
-one uniform per sampled row from the row's generator, the per-row settings as arrays, and
-logprobs.
+                 top_p:  keep t iff, over the tokens min_p and top_k keep, the mass of
+                         those with a larger logit than t is < top_p of their total
+               weights = e on the kept tokens, 0 elsewhere
+    the draw (the backend's op `sample`):  token = min{t : c_t > u · c_{V-1}}, c the running
+                 sum of the weights in token-id order (float64), u the row's uniform.
 
 TIES are decided on the logits, once for every rule: tokens with equal logits are kept or
 dropped together (HF's and vLLM's `<` masks keep a tie with the last kept token too), and
@@ -25,6 +22,14 @@ threshold per row: the nucleus is the smallest such set whose mass reaches top_p
 top_k commute (both keep a prefix of the tokens ranked by logit); top_p comes last because
 it measures mass after them.
 
+The nucleus has one implementation per backend (the reference: a sort per row,
+numpy_backend.py), and everything that samples calls it: this Sampler through
+`backend.sample`, and speculative decoding's p and q through `backend.sampling_weights`
+(spec_decode/warping.py), so a verify row keeps exactly the set a plain row keeps. This
+file is the control around the draw: the processors (logits_processors.py), greedy rows'
+argmax, one uniform per sampled row from the row's generator, the per-row settings as
+arrays. The sampled token's logprobs are logprobs.py's (`sampled_logprobs`).
+
 Randomness is per sequence: each sequence owns a `numpy.random.Generator` seeded from its
 request's seed (child i of a parallel-sampling request uses seed + i) and draws exactly one
 uniform per sampled token, none for greedy. The draw of a row depends only on that row and
@@ -33,23 +38,15 @@ its uniform, so a seeded request produces the same tokens whatever else is in th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
-from refserve.logits_processors import (
-    apply_allowed_token_ids,
-    apply_bad_words,
-    apply_logit_bias,
-    apply_min_tokens,
-    apply_penalties,
-)
-from refserve.logprobs import Logprob, compute_logprobs
+from refserve.logits_processors import apply_processors
 from refserve.sampling_params import GREEDY_BELOW, SamplingParams
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingParams", "make_generator", "draw_arguments",
-           "GREEDY_BELOW"]
+__all__ = ["Sampler", "SamplingParams", "make_generator", "draw_arguments",
+           "nucleus_arguments", "GREEDY_BELOW"]
 
 
 def make_generator(seed: int | None, child_index: int = 0) -> np.random.Generator:
@@ -58,27 +55,23 @@ def make_generator(seed: int | None, child_index: int = 0) -> np.random.Generato
     return np.random.default_rng(None if seed is None else seed + child_index)
 
 
-def draw_arguments(params: Sequence[SamplingParams],
-                   generators: Sequence[np.random.Generator]) -> dict[str, np.ndarray]:
-    """`backend.sample`'s per-row arrays for sampled (non-greedy) rows with `params`:
-    temperature, top_k (0: off), top_p, min_p, and the row's one uniform, drawn from its
-    generator, in row order."""
+def nucleus_arguments(params: SequenceOf[SamplingParams]) -> dict[str, np.ndarray]:
+    """`backend.sampling_weights`'s per-row arrays for sampled (non-greedy) rows with
+    `params`: temperature, top_k (0: off), top_p, min_p, in row order."""
     return {
         "temperature": np.array([p.temperature for p in params], dtype=np.float64),
         "top_k": np.array([max(p.top_k, 0) for p in params], dtype=np.int64),
         "top_p": np.array([p.top_p for p in params], dtype=np.float32),
         "min_p": np.array([p.min_p for p in params], dtype=np.float32),
-        "uniforms": np.array([g.random() for g in generators], dtype=np.float64),
     }
 
 
-@dataclass
-class SamplerOutput:
-    """What `Sampler.sample_with_logprobs` returns: one token per row, and per row either
-    None (logprobs not requested) or vLLM's {token_id: Logprob} for the sampled token."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]
+def draw_arguments(params: SequenceOf[SamplingParams],
+                   generators: SequenceOf[np.random.Generator]) -> dict[str, np.ndarray]:
+    """`backend.sample`'s per-row arrays: `nucleus_arguments`, and each row's one uniform,
+    drawn from its generator, in row order."""
+    uniforms = np.array([g.random() for g in generators], dtype=np.float64)
+    return {**nucleus_arguments(params), "uniforms": uniforms}
 
 
 class Sampler:
@@ -88,12 +81,12 @@ class Sampler:
     def __init__(self, backend) -> None:
         self.backend = backend
 
-    def sample(self, logits: np.ndarray, params: Sequence[SamplingParams],
-               generators: Sequence[np.random.Generator], *,
-               prompt_token_ids: Sequence[Sequence[int]] | None = None,
-               output_token_ids: Sequence[Sequence[int]] | None = None,
+    def sample(self, logits: np.ndarray, params: SequenceOf[SamplingParams],
+               generators: SequenceOf[np.random.Generator], *,
+               prompt_token_ids: SequenceOf[SequenceOf[int]] | None = None,
+               output_token_ids: SequenceOf[SequenceOf[int]] | None = None,
                eos_token_id: int | None = None,
-               bad_words_token_ids: Sequence[Sequence[Sequence[int]]] | None = None
+               bad_words_token_ids: SequenceOf[SequenceOf[SequenceOf[int]]] | None = None
                ) -> list[int]:
         """One token id per row of `logits` [N, V].
 
@@ -107,8 +100,8 @@ class Sampler:
                              f"{x.shape} for {len(params)} params")
         processed = [i for i, p in enumerate(params) if p.rewrites_logits or p.min_tokens]
         if processed:  # on a copy: the caller's logits stay as they are
-            x = self.process_logits(x, params, processed, prompt_token_ids, output_token_ids,
-                                    eos_token_id, bad_words_token_ids)
+            x = apply_processors(x, params, processed, prompt_token_ids, output_token_ids,
+                                 eos_token_id, bad_words_token_ids)
         tokens = np.zeros(len(x), dtype=np.int64)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
@@ -119,47 +112,3 @@ class Sampler:
                 [params[i] for i in rows], [generators[i] for i in rows]))
             tokens[rows] = self.backend.to_numpy(drawn)
         return tokens.tolist()
-
-    def sample_with_logprobs(self, logits: np.ndarray, params: Sequence[SamplingParams],
-                             generators: Sequence[np.random.Generator], *,
-                             decode=None, **kwargs) -> SamplerOutput:
-        """`sample`, plus for rows whose params ask for `logprobs=N` the top-N logprobs of
-        the raw logits and the sampled token's (see logprobs.py); `decode(token_id) -> str`,
-        when given, fills `Logprob.decoded_token`."""
-        tokens = self.sample(logits, params, generators, **kwargs)
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(tokens)
-        if asked:
-            found = compute_logprobs(np.asarray(logits)[asked], [tokens[i] for i in asked],
-                                     [params[i].logprobs for i in asked], decode)
-            for i, d in zip(asked, found):
-                logprobs[i] = d
-        return SamplerOutput(tokens, logprobs)
-
-    def process_logits(self, x, params, rows, prompt_token_ids=None, output_token_ids=None,
-                       eos_token_id=None, bad_words_token_ids=None) -> np.ndarray:
-        """A copy of the float32 logits `x` [N, V] after the logits processors (in
-        logits_processors.py's order) of `rows`, the rows whose params use one."""
-        x = x.copy()
-        for i in rows:
-            p = params[i]
-            needs_output = p.has_penalties or p.min_tokens or p.bad_words
-            if (needs_output and output_token_ids is None) or (
-                    p.repetition_penalty != 1.0 and prompt_token_ids is None) or (
-                    p.bad_words and bad_words_token_ids is None):
-                raise ValueError("Sampler: SamplingParams with penalties, min_tokens or "
-                                 "bad_words need output_token_ids (and prompt_token_ids for "
-                                 "repetition_penalty, bad_words_token_ids for bad_words), "
-                                 "one list per row")
-            if p.allowed_token_ids is not None:
-                apply_allowed_token_ids(x[i], p)
-            if p.bad_words:
-                apply_bad_words(x[i], bad_words_token_ids[i], output_token_ids[i])
-            if p.min_tokens:
-                apply_min_tokens(x[i], p, len(output_token_ids[i]), eos_token_id)
-            if p.logit_bias:
-                apply_logit_bias(x[i], p)
-            if p.has_penalties:
-                apply_penalties(x[i], p, prompt_token_ids[i] if prompt_token_ids else [],
-                                output_token_ids[i])
-        return x

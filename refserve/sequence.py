@@ -55,9 +55,6 @@ vLLM's three text options (SamplingParams):
 Special tokens never count toward "there is new text": a window that adds only skipped
 special tokens emits nothing.
 
-The stop rules (`append_tokens`) call `update` after every appended token, so `text` grows
-token by token and a stop string is found at the token that completes it.
-
 THE STOP RULES, decided once, token by token, as `Scheduler.update` appends sampled tokens.
 
 A step appends 1 token per sampling row, or up to k + 1 after a speculative verify. Every

@@ -29,7 +29,12 @@ import sys
 import threading
 from pathlib import Path
 
-from refserve.entrypoints.cli_common import ArgumentParser, CLIError, check_output_path
+from refserve.entrypoints.cli_common import (
+    ArgumentParser,
+    CLIError,
+    check_output_path,
+    write_trace,
+)
 from refserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from refserve.entrypoints.options import MiB, ServerOptions
 
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         if not http.alive:
             print("error: the HTTP server stopped on its own", file=sys.stderr)
             server.stop()
-            write_trace(trace, args.trace)
+            finish_trace(trace, args.trace)
             return 1
     print(f"refserve: {signal.Signals(signals[0]).name}: draining (up to "
           f"{options.shutdown_timeout:g} s for {len(server.request_ids)} running request(s))",
@@ -187,19 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     left = http.drain()
     print(f"refserve: stopped ({left} request(s) ended unfinished)", file=sys.stderr,
           flush=True)
-    write_trace(trace, args.trace)
+    finish_trace(trace, args.trace)
     return 0
 
 
-def write_trace(trace, path) -> None:
-    """After the engine loop stopped: nothing steps while the file is written."""
-    if trace is None:
-        return
+def finish_trace(trace, path) -> None:
+    """After the engine loop stopped (nothing steps while the file is written): write the
+    trace; an error is reported, not raised, since the server has already stopped."""
     try:
-        trace.write(path)
-        print(f"refserve: trace written to {path}", file=sys.stderr, flush=True)
-    except OSError as e:
-        print(f"error: --trace {path}: cannot write it ({e.strerror})", file=sys.stderr)
+        write_trace(trace, path)
+    except CLIError as e:
+        print(f"error: {e}", file=sys.stderr)
+    else:
+        if trace is not None:
+            print(f"refserve: trace written to {path}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

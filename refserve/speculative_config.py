@@ -10,13 +10,13 @@
 
 | key | meaning |
 | --- | --- |
-| method | the proposer: "ngram" (prompt lookup) or "draft_model" (speculation/registry.py) |
+| method | the proposer: "ngram" (prompt lookup) or "draft_model" (spec_decode/registry.py) |
 | num_speculative_tokens | k, the most draft tokens proposed per verify step (>= 1) |
 | adaptive | (refserve) True: a request whose acceptance is too low stops speculating |
 | any other key | an option of the method, kept in `options` and checked by its proposer |
 
 The keys every method shares are checked here, when the EngineConfig is made; the method and
-its options are checked by speculation/registry.py (`resolve`) when an engine or a simulation
+its options are checked by spec_decode/registry.py (`resolve`) when an engine or a simulation
 is built, before anything is loaded. Every mistake is a ValueError naming the key.
 """
 

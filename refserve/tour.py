@@ -6,9 +6,11 @@ otherwise), runs a small batch until every request decodes, then runs ONE more
 every refserve function the step called, with file:line and the first line of its docstring,
 then the totals:
 
-    files            refserve source files with at least one executed line
-    distinct lines   (file, line) pairs executed at least once
-    file lines       the lines those files hold: what a student following the step reads
+    files        refserve source files with at least one executed line
+    statements   distinct statements executed at least once (a statement spread over
+                 several lines counts once, so a long line split for clarity costs nothing;
+                 a function's `def` counts when it is called)
+    file lines   the lines those files hold: what a student following the step reads
 
 `python -m refserve.tour --markdown` prints the reading list docs/architecture.md holds
 (tests/test_tour.py keeps the two in step).
@@ -16,6 +18,8 @@ then the totals:
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 import sys
 from collections import defaultdict
@@ -55,7 +59,17 @@ class Trace:
 
     @property
     def num_lines(self) -> int:
+        """Distinct (file, line) pairs executed: physical lines, for comparison only."""
         return sum(len(v) for v in self.lines.values())
+
+    def statements(self, path: str) -> set[int]:
+        """The statements of `path` that executed, each named by its first line."""
+        owner = statement_of_line(path)
+        return {owner[line] for line in self.lines[path] if line in owner}
+
+    @property
+    def num_statements(self) -> int:
+        return sum(len(self.statements(p)) for p in self.lines)
 
     def file_lines(self, path: str) -> int:
         return len((PACKAGE.parent / path).read_text().splitlines())
@@ -63,6 +77,26 @@ class Trace:
     @property
     def num_file_lines(self) -> int:
         return sum(self.file_lines(p) for p in self.lines)
+
+
+@functools.cache
+def statement_of_line(path: str) -> dict[int, int]:
+    """Line -> the first line of the innermost statement that holds it, for a file relative
+    to the repository root. A decorated function or class starts at its first decorator
+    (where a call event reports it)."""
+    tree = ast.parse((PACKAGE.parent / path).read_text())
+    spans = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt):
+            start = min([node.lineno] + [d.lineno for d in
+                                         getattr(node, "decorator_list", [])])
+            spans.append((start, node.end_lineno))
+    owner: dict[int, int] = {}
+    # Outer statements first, so an inner one (starting later, or ending sooner) wins.
+    for start, end in sorted(spans, key=lambda span: (span[0], -span[1])):
+        for line in range(start, end + 1):
+            owner[line] = start
+    return owner
 
 
 def _relative(filename: str) -> str | None:
@@ -104,8 +138,9 @@ def trace_step(engine) -> Trace:
             # Comprehensions and lambdas run as functions of their own: not listed.
             if key not in seen and "<" not in frame.f_code.co_name:
                 seen.add(key)
-                trace.calls.append(Call(stage[0], path, frame.f_code.co_firstlineno,
-                                        frame.f_code.co_qualname, _doc_line(frame)))
+                trace.calls.append(Call(
+                    stage=stage[0], path=path, line=frame.f_code.co_firstlineno,
+                    name=frame.f_code.co_qualname, doc=_doc_line(frame)))
         trace.lines[path].add(frame.f_lineno)
         return tracer
 
@@ -143,22 +178,23 @@ def print_trace(trace: Trace, out=sys.stdout) -> None:
             print(f"\n== {current}", file=out)
         where = f"{call.path}:{call.line}"
         print(f"  {where:<44} {call.name}" + (f"  — {call.doc}" if call.doc else ""), file=out)
-    print(f"\n{trace.num_files} files, {trace.num_lines} distinct lines executed; those files "
-          f"hold {trace.num_file_lines} lines", file=out)
+    print(f"\n{trace.num_files} files, {trace.num_statements} statements executed; those "
+          f"files hold {trace.num_file_lines} lines", file=out)
 
 
 def reading_list(trace: Trace) -> str:
     """The reading list of docs/architecture.md: every file the step executed, in the order
-    the step first reaches it, with its executed and total lines and its docstring's first
-    line."""
+    the step first reaches it, with its statements executed, its lines and its docstring's
+    first line."""
     order = list(dict.fromkeys(call.path for call in trace.calls))
-    rows = ["| # | file | lines run / held | what it is |", "| --- | --- | --- | --- |"]
+    rows = ["| # | file | statements run / lines held | what it is |",
+            "| --- | --- | --- | --- |"]
     for i, path in enumerate(order, start=1):
         source = (PACKAGE.parent / path).read_text()
         doc = source.split('"""')[1].strip().splitlines()[0] if source.startswith('"""') else ""
-        rows.append(f"| {i} | `{path}` | {len(trace.lines[path])} / {trace.file_lines(path)}"
-                    f" | {doc.replace('|', '/')} |")
-    rows.append(f"| | **{trace.num_files} files** | **{trace.num_lines} / "
+        rows.append(f"| {i} | `{path}` | {len(trace.statements(path))} / "
+                    f"{trace.file_lines(path)} | {doc.replace('|', '/')} |")
+    rows.append(f"| | **{trace.num_files} files** | **{trace.num_statements} / "
                 f"{trace.num_file_lines}** | |")
     return "\n".join(rows)
 

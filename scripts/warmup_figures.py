@@ -157,7 +157,7 @@ def radix():
     return "...\n" + next(p for p in paragraphs if p.startswith("b = ")) + "\n...", {}
 
 
-FORMULA = """from refserve.spec_decode.metrics import expected_tokens_per_pass as E
+FORMULA = """from refserve.metrics import expected_tokens_per_pass as E
 cases = [(0.8,4,0.0), (0.8,4,0.05), (0.3,4,0.54), (0.3,1,0.54), (0.3,4,0.0), (0.6,4,0.1),
          (0.8,8,0.0)]
 for a,k,c in cases:

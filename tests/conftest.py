@@ -56,7 +56,7 @@ def hf_greedy_fn():
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory):
+def tiny_llama(tmp_path_factory):
     """A tiny random Llama (GQA, tied embeddings) saved as an HF folder, no tokenizer."""
     from model_utils import save_tiny_hf_model
 
@@ -72,7 +72,7 @@ def rng():
 # ---- the server tests (tests/test_serve*.py; helpers in tests/serve_utils.py) ------------
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_chat_llama(tmp_path_factory):
     """A tiny random Llama with a real tiny tokenizer and a chat template (text prompts)."""
     from tiny_text_model import save_tiny_text_model
 
@@ -80,25 +80,26 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dir):
+def served(tiny_chat_llama):
     """One server per test module: the engine loop and uvicorn on a free 127.0.0.1 port."""
     from serve_utils import ServerThread, make_engine
 
-    s = ServerThread(make_engine(tiny_dir))
+    s = ServerThread(make_engine(tiny_chat_llama))
     yield s
     s.close()
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_dir):
+def offline(tiny_chat_llama):
     """The same tiny model behind the offline API, for what the server must equal."""
     from refserve import LLM
 
-    return LLM(model=str(tiny_dir), block_size=4, num_gpu_blocks_override=512, progress=False)
+    return LLM(model=str(tiny_chat_llama), block_size=4, num_gpu_blocks_override=512,
+               progress=False)
 
 
 @pytest.fixture(scope="module")
-def long_tiny_dir(tmp_path_factory):
+def long_tiny_chat_llama(tmp_path_factory):
     """The tiny text model with a 4096-token context: long prompts and long generations
     that take thousands of (cheap) steps."""
     from tiny_text_model import save_tiny_text_model

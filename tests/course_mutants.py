@@ -20,8 +20,8 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "append_rule": [
         ("no max(0, .): negative when the table holds spare blocks",
-         "max(0, blocks_for_tokens(num_tokens, self.block_size) - self._len)",
-         "blocks_for_tokens(num_tokens, self.block_size) - self._len"),
+         "max(0, blocks_for_tokens(num_tokens, self.block_size) - len(self._ids))",
+         "blocks_for_tokens(num_tokens, self.block_size) - len(self._ids)"),
         ("off by one: a new block when the last is exactly full",
          "blocks_for_tokens(num_tokens, self.block_size)",
          "num_tokens // self.block_size + 1"),
@@ -60,11 +60,11 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "runner_prepare": [
         ("context length without the tokens written this step",
-         "context_lens.append(s.start + s.num_tokens)",
+         "context_lens.append(s.start + n)",
          "context_lens.append(s.start)"),
         ("positions restart at 0 in every row",
-         "range(s.start, s.start + s.num_tokens)",
-         "range(s.num_tokens)"),
+         "range(s.start, s.start + n)",
+         "range(n)"),
     ],
     "scheduler_admit": [
         ("skips a sequence that does not fit and admits later ones (not FCFS)",

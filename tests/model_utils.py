@@ -50,11 +50,12 @@ def hf_logits(hf_model, token_ids) -> np.ndarray:
         return hf_model(torch.tensor([token_ids])).logits[0].float().numpy()
 
 
-def row(token_ids, start, num_tokens, block_ids, num_logits=1, draft_token_ids=()):
+def row(token_ids, start, num_scheduled_tokens, block_ids, num_logits=1, draft_token_ids=()):
     """A scheduled row as the runner reads it (duck-typed `ScheduledSequence`): the sequence
-    holds `token_ids`, the row computes [start, start + num_tokens) of token_ids + drafts."""
+    holds `token_ids`, the row computes [start, start + num_scheduled_tokens) of token_ids +
+    drafts."""
     seq = SimpleNamespace(token_ids=list(token_ids), num_computed_tokens=start)
-    return SimpleNamespace(seq=seq, start=start, num_tokens=num_tokens,
+    return SimpleNamespace(seq=seq, start=start, num_scheduled_tokens=num_scheduled_tokens,
                            block_ids=list(block_ids), num_logits=num_logits,
                            draft_token_ids=tuple(draft_token_ids))
 

@@ -2,7 +2,7 @@
 127.0.0.1 port, in this process (`ServerThread`) or as `python -m refserve.serve`
 (`ServerProcess`), the tiny text model's fixtures, and waits that end on the event a test
 is about (with a generous deadline) instead of on a wall-clock window. The fixtures that
-build on them (tiny_dir, served, offline) are in conftest.py."""
+build on them (tiny_chat_llama, served, offline) are in conftest.py."""
 
 from __future__ import annotations
 

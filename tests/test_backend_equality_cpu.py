@@ -25,9 +25,7 @@ from test_sampling import TEMPERATURE_CASES, TIED_TOP, FixedUniform, naive
 
 from refserve.backends import CpuBackend, NumpyBackend
 from refserve.backends.cpu_attention import gather_context
-from refserve.backends.cpu_sampling import kept_distributions
-from refserve.backends.numpy_backend import sampling_weights
-from refserve.sampling import SamplingParams, draw_arguments
+from refserve.sampling import SamplingParams, draw_arguments, nucleus_arguments
 
 REFERENCE, TUNED = NumpyBackend(), CpuBackend()
 SETTINGS = settings(deadline=None, max_examples=40,
@@ -184,13 +182,9 @@ def test_sample_draws_the_reference_tokens(data, vocab, batch):
     logits, params = logits[keep], [p for p, k in zip(params, keep) if k]
     uniforms = rng.random(len(params))
     assert draw(TUNED, logits, params, uniforms) == draw(REFERENCE, logits, params, uniforms)
-    args = draw_arguments(params, [FixedUniform(0.0)] * len(params))
-    del args["uniforms"]
-    weights = sampling_weights(np, logits, **args)
-    for r, (ids, w) in enumerate(kept_distributions(logits, **args)):
-        tuned = np.zeros(vocab, np.float32)
-        tuned[slice(None) if ids is None else ids] = w
-        np.testing.assert_array_equal(tuned, weights[r])
+    args = nucleus_arguments(params)
+    np.testing.assert_array_equal(TUNED.sampling_weights(logits, **args),
+                                  REFERENCE.sampling_weights(logits, **args))
 
 
 @pytest.mark.parametrize("logits,temperature,top_p", [

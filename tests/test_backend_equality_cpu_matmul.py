@@ -193,7 +193,7 @@ def test_describe_names_runs_of_forms():
     assert plan.describe() == "out_in: 1 plain, 2-48 chunked, 49-64 plain, >64 plain"
 
 
-def test_a_tiny_model_with_every_form_gives_the_reference_logits(tiny_folder):
+def test_a_tiny_model_with_every_form_gives_the_reference_logits(tiny_llama):
     """The whole forward (prefill, then 1-5-row verify-like chunks) with each form
     everywhere on the tuned backend matches the reference backend (`x @ W.T`, plain
     attention) within float32 rounding."""
@@ -201,9 +201,9 @@ def test_a_tiny_model_with_every_form_gives_the_reference_logits(tiny_folder):
 
     from refserve.backends import CpuBackend, NumpyBackend
     from refserve.models.loader import load_model
-    from refserve.speculation.cost_probe import with_backend
+    from refserve.spec_decode.cost_probe import with_backend
 
-    model = load_model(tiny_folder, NumpyBackend())
+    model = load_model(tiny_llama, NumpyBackend())
     tokens = list(range(3, 40))
     ref, _ = prefill_logits(model, tokens, chunk=5)
     for form in frm.FORMS:

@@ -238,13 +238,21 @@ def tiny_checkpoint(tmp_path_factory):
 
 def greedy_tokens(model, prompts, steps, enforce_eager=True, block_size=16):
     """Greedy continuation of each prompt through ModelRunner (prefill, then batched
-    decode steps); returns (tokens per prompt, first-step logits)."""
-    from model_utils import row, run_step
-
+    decode steps); returns (tokens per prompt, first-step logits). `enforce_eager`: the
+    backend's, for this run (False: decode steps replay CUDA graphs)."""
     from refserve.model_runner import ModelRunner
 
-    runner = ModelRunner(model, model.backend, num_blocks=64, block_size=block_size,
-                         enforce_eager=enforce_eager)
+    runner = ModelRunner(model, model.backend, num_blocks=64, block_size=block_size)
+    eager_before, model.backend.enforce_eager = model.backend.enforce_eager, enforce_eager
+    try:
+        return greedy_steps(runner, prompts, steps)
+    finally:
+        model.backend.enforce_eager = eager_before
+
+
+def greedy_steps(runner, prompts, steps):
+    from model_utils import row, run_step
+
     seqs, first = [], []
     for i, ids in enumerate(prompts):
         table = list(range(i * 8, i * 8 + 8))

@@ -18,9 +18,9 @@ def test_branching_workloads_are_deterministic_and_branch():
         assert order != a.prompts
 
 
-def test_prefix_bench_on_the_tiny_model(tmp_path, tiny_folder):
+def test_prefix_bench_on_the_tiny_model(tmp_path, tiny_llama):
     path = tmp_path / "prefix.json"
-    assert main(["prefix", "--model", str(tiny_folder), "--scale", "8", "--max-tokens", "2",
+    assert main(["prefix", "--model", str(tiny_llama), "--scale", "8", "--max-tokens", "2",
                  "--block-size", "4", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     rows = {(r["workload"], r["config"]): r for r in data["rows"]}
@@ -33,9 +33,9 @@ def test_prefix_bench_on_the_tiny_model(tmp_path, tiny_folder):
     assert all(data["same_outputs"].values())
 
 
-def test_preemption_bench_on_the_tiny_model(tmp_path, tiny_folder):
+def test_preemption_bench_on_the_tiny_model(tmp_path, tiny_llama):
     path = tmp_path / "preemption.json"
-    assert main(["preemption", "--model", str(tiny_folder), "--contexts", "12", "24",
+    assert main(["preemption", "--model", str(tiny_llama), "--contexts", "12", "24",
                  "--num-requests", "4", "--max-tokens", "10", "--block-size", "4",
                  "--swap-space", "0.01", "--json", str(path)]) == 0
     data = json.loads(path.read_text())

@@ -36,7 +36,7 @@ def test_incref_revives_a_block_from_the_middle_of_the_available_queue():
     allocator.incref(2)  # a prefix-cache hit on an evictable block
     assert allocator.ref_count(2) == 1
     assert list(allocator.available_block_ids()) == [0, 1, 3, 4]
-    assert not allocator.is_available(2)
+    assert 2 not in allocator.available_block_ids()
     allocator.check_invariants()
 
 
@@ -46,9 +46,9 @@ def test_shared_block_is_available_only_after_the_last_holder_lets_go():
     allocator.incref(block)
     assert allocator.ref_count(block) == 2
     assert allocator.decref(block) is False
-    assert not allocator.is_available(block)
+    assert block not in allocator.available_block_ids()
     assert allocator.decref(block) is True
-    assert allocator.is_available(block)
+    assert block in allocator.available_block_ids()
     allocator.check_invariants()
 
 

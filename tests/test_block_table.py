@@ -3,7 +3,7 @@
 import pytest
 
 from refserve.kv_cache import BlockTable
-from refserve.kv_cache.block_table import blocks_for_tokens
+from refserve.kv_cache.block_table import blocks_for_tokens, slot_mapping
 
 
 def test_1000_tokens_at_block_size_16():
@@ -34,41 +34,42 @@ def test_append_rule_never_negative_when_the_table_holds_spare_blocks():
 
 
 def test_slot_formula():
-    table = BlockTable(4, [7, 2, 9])
+    ids = [7, 2, 9]
     for position in range(12):
-        expected = table[position // 4] * 4 + position % 4
-        assert table.slot(position) == expected
-    assert table.slot(5) == 9
-    assert table.slots(3, 9) == [31, 8, 9, 10, 11, 36]
-    assert table.slots(4, 4) == []
-    assert table.slots(0, 12) == [table.slot(p) for p in range(12)]
+        expected = ids[position // 4] * 4 + position % 4
+        assert slot_mapping(ids, position, 4) == expected
+    assert slot_mapping(ids, 5, 4) == 9
+    assert slot_mapping(ids, range(3, 9), 4).tolist() == [31, 8, 9, 10, 11, 36]
+    assert slot_mapping(ids, [], 4).tolist() == []
 
 
-def test_slot_out_of_range():
-    table = BlockTable(4, [7])
+def test_a_position_without_a_block_has_no_slot():
     with pytest.raises(IndexError):
-        table.slot(4)
+        slot_mapping([7], 4, 4)
     with pytest.raises(IndexError):
-        table.slots(2, 5)
-    with pytest.raises(ValueError):
-        table.slots(3, 2)
+        slot_mapping([7], range(2, 5), 4)
 
 
-def test_logical_blocks_of_range_and_replace():
+def test_replace_truncate_and_copy():
     table = BlockTable(4, [7, 2, 9])
-    assert list(table.logical_blocks_of_range(3, 5)) == [0, 1]
-    assert list(table.logical_blocks_of_range(4, 8)) == [1]
-    assert list(table.logical_blocks_of_range(8, 8)) == []
     assert table.replace(1, 11) == 2
     assert table.block_ids == [7, 11, 9]
     copy = table.copy()
     copy.append(3)
     assert len(table) == 3 and len(copy) == 4
+    assert copy.truncate(1) == [11, 9, 3] and copy.block_ids == [7]
+    assert table.block_ids == [7, 11, 9]
+    ids = table.block_ids
+    ids.append(5)                       # a copy: the table is unchanged
+    assert len(table) == 3
 
 
-def test_bad_block_size():
-    with pytest.raises(ValueError):
-        BlockTable(0)
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "16"])
+def test_bad_block_size(bad):
+    with pytest.raises(ValueError, match="block_size"):
+        BlockTable(bad)
+    with pytest.raises(ValueError, match="block_size"):
+        blocks_for_tokens(3, bad)
 
 
 def test_kv_cache_demo_prints_what_warmup_quotes(capsys):

@@ -103,17 +103,38 @@ def tiny_model(tmp_path_factory):
     return load_model(folder, CpuBackend())
 
 
+class GraphedBackend:
+    """The model's backend with CupyBackend.forward's dispatch: a step the graphs can run
+    replays, every other one runs eagerly."""
+
+    def __init__(self, backend, graphs) -> None:
+        self.backend, self.graphs = backend, graphs
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def forward(self, model, inputs, kv_caches):
+        logits = self.graphs.run(inputs)
+        return self.backend.forward(model, inputs, kv_caches) if logits is None else logits
+
+
+def with_graphs(runner, graphs):
+    """`runner`, its decode steps through `graphs` (what CupyBackend does on a GPU)."""
+    runner.backend = GraphedBackend(runner.backend, graphs)
+    runner.decode_graphs = graphs
+    return runner
+
+
 def decode_run(model, use_graphs, lengths, steps, block_size=8, finish_at=None):
     """Prefill ragged prompts, then `steps` decode steps of greedy tokens; a sequence in
     `finish_at` (index -> step) drops out of the batch then. Returns (tokens, runner)."""
     rng = np.random.default_rng(0)
-    runner = ModelRunner(model, model.backend, num_blocks=64, block_size=block_size,
-                         enforce_eager=True)
+    runner = ModelRunner(model, model.backend, num_blocks=64, block_size=block_size)
     capturer = ReplayCapturer()
     if use_graphs:
-        runner.decode_graphs = cg.DecodeGraphs(model, model.backend, runner.kv_caches,
-                                               block_size, capturer, max_batch=16,
-                                               partition_size=16)
+        runner = with_graphs(runner, cg.DecodeGraphs(model, model.backend, runner.kv_caches,
+                                                     block_size, capturer, max_batch=16,
+                                                     partition_size=16))
     blocks = iter(rng.permutation(64).tolist())
     seqs = []
     for n in lengths:
@@ -184,10 +205,9 @@ def test_a_failing_capture_switches_to_eager(tiny_model, capsys):
 
     lengths = [4, 6]
     eager, _, _ = decode_run(tiny_model, False, lengths, 3)
-    runner = ModelRunner(tiny_model, tiny_model.backend, num_blocks=64, block_size=8,
-                         enforce_eager=True)
-    runner.decode_graphs = cg.DecodeGraphs(tiny_model, tiny_model.backend, runner.kv_caches,
-                                           8, Broken(), max_batch=4)
+    runner = ModelRunner(tiny_model, tiny_model.backend, num_blocks=64, block_size=8)
+    runner = with_graphs(runner, cg.DecodeGraphs(tiny_model, tiny_model.backend,
+                                                 runner.kv_caches, 8, Broken(), max_batch=4))
     rows = [row(list(range(1, 5)), 0, 4, [1]), row(list(range(1, 7)), 0, 6, [2])]
     run_step(runner, rows)
     logits = run_step(runner, [row(list(range(1, 6)), 4, 1, [1])])

@@ -22,15 +22,15 @@ def prompts(n, rng, lo=3, hi=40):
     return [rng.integers(3, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-def test_prefix_cache_computes_only_the_remainder(tiny_folder):
-    llm = make_llm(tiny_folder)
+def test_prefix_cache_computes_only_the_remainder(tiny_llama):
+    llm = make_llm(tiny_llama)
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
     prefix = rng.integers(3, VOCAB, size=12).tolist()          # 3 full blocks of 4
     tail = rng.integers(3, VOCAB, size=5).tolist()
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
-    uncached = make_llm(tiny_folder, enable_prefix_caching=False).generate(
+    uncached = make_llm(tiny_llama, enable_prefix_caching=False).generate(
         [prefix + tail], params)[0]
     llm.generate([prefix + [7, 8, 9]], params)                 # warms the 3 prefix blocks
     computed = []
@@ -50,8 +50,8 @@ def test_prefix_cache_computes_only_the_remainder(tiny_folder):
     assert llm.last_summary.prefix_hit_rate == pytest.approx(12 / 17)
 
 
-def test_parallel_sampling_shares_prompt_blocks_and_matches_single_runs(tiny_folder):
-    llm = make_llm(tiny_folder, enable_prefix_caching=False)
+def test_parallel_sampling_shares_prompt_blocks_and_matches_single_runs(tiny_llama):
+    llm = make_llm(tiny_llama, enable_prefix_caching=False)
     prompt = np.random.default_rng(1).integers(3, VOCAB, size=10).tolist()  # 2.5 blocks
     params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=123, ignore_eos=True)
     computed, copies = [], []
@@ -83,8 +83,8 @@ def test_parallel_sampling_shares_prompt_blocks_and_matches_single_runs(tiny_fol
     assert kv.num_held_blocks == 0
 
 
-def test_seeded_sampling_independent_of_batch(tiny_folder):
-    llm = make_llm(tiny_folder)
+def test_seeded_sampling_independent_of_batch(tiny_llama):
+    llm = make_llm(tiny_llama)
     rng = np.random.default_rng(2)
     target = prompts(1, rng)[0]
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=20, seed=7,
@@ -112,8 +112,8 @@ def test_bad_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
-def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
-    llm = make_llm(tiny_folder, num_gpu_blocks_override=20, max_model_len=64)
+def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_llama):
+    llm = make_llm(tiny_llama, num_gpu_blocks_override=20, max_model_len=64)
     engine = llm.llm_engine
     good = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("ok-1", [5, 6, 7], good)
@@ -129,9 +129,9 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
             engine.add_request(None, prompt, good)
     # A pool too small for one max_model_len sequence is refused at start-up.
     with pytest.raises(ValueError, match="lower max_model_len to at most 16"):
-        make_llm(tiny_folder, num_gpu_blocks_override=4, max_model_len=64)
+        make_llm(tiny_llama, num_gpu_blocks_override=4, max_model_len=64)
     with pytest.raises(ValueError, match=r"SamplingParams\.n=9 is more than max_num_seqs"):
-        make_llm(tiny_folder, max_num_seqs=8).llm_engine.add_request(
+        make_llm(tiny_llama, max_num_seqs=8).llm_engine.add_request(
             None, [5, 6], SamplingParams(n=9))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok-1", [5], good)
@@ -141,13 +141,13 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_folder):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert [o.request_id for o in outs if o.finished] == ["ok-1"]
-    expect = make_llm(tiny_folder).generate([[5, 6, 7]], good)[0].outputs[0].token_ids
+    expect = make_llm(tiny_llama).generate([[5, 6, 7]], good)[0].outputs[0].token_ids
     assert outs[-1].outputs[0].token_ids == expect
 
 
 @pytest.mark.parametrize("when", ["waiting", "running", "preempted"])
-def test_abort_frees_blocks_at_once(tiny_folder, when):
-    llm = make_llm(tiny_folder, num_gpu_blocks_override=12, max_num_batched_tokens=64,
+def test_abort_frees_blocks_at_once(tiny_llama, when):
+    llm = make_llm(tiny_llama, num_gpu_blocks_override=12, max_num_batched_tokens=64,
                    max_model_len=48)
     engine = llm.llm_engine
     kv = engine.kv_cache_manager
@@ -178,8 +178,8 @@ def test_abort_frees_blocks_at_once(tiny_folder, when):
     assert kv.num_held_blocks == 0
 
 
-def test_failing_step_names_requests_and_keeps_pool_consistent(tiny_folder):
-    llm = make_llm(tiny_folder)
+def test_failing_step_names_requests_and_keeps_pool_consistent(tiny_llama):
+    llm = make_llm(tiny_llama)
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     engine.add_request("r1", [4, 5, 6, 7, 8], params)
@@ -200,12 +200,12 @@ def test_failing_step_names_requests_and_keeps_pool_consistent(tiny_folder):
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
-    fresh = make_llm(tiny_folder).generate([[4, 5, 6, 7, 8], [9, 10, 11]], params)
+    fresh = make_llm(tiny_llama).generate([[4, 5, 6, 7, 8], [9, 10, 11]], params)
     assert done == {"r1": fresh[0].outputs[0].token_ids, "r2": fresh[1].outputs[0].token_ids}
 
 
-def test_stop_token_ids_and_finish_reasons(tiny_folder):
-    llm = make_llm(tiny_folder)
+def test_stop_token_ids_and_finish_reasons(tiny_llama):
+    llm = make_llm(tiny_llama)
     base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0.0,
                                                     ignore_eos=True))[0].outputs[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 10
@@ -217,13 +217,13 @@ def test_stop_token_ids_and_finish_reasons(tiny_folder):
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:first + 1]
 
 
-def test_static_and_continuous_agree(tiny_folder):
+def test_static_and_continuous_agree(tiny_llama):
     rng = np.random.default_rng(5)
     ps = prompts(8, rng)
     params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True)
               for m in rng.integers(2, 30, size=8)]
-    cont = make_llm(tiny_folder, max_num_seqs=4)
-    stat = make_llm(tiny_folder, max_num_seqs=4, batching="static")
+    cont = make_llm(tiny_llama, max_num_seqs=4)
+    stat = make_llm(tiny_llama, max_num_seqs=4, batching="static")
     a = cont.generate(ps, params)
     b = stat.generate(ps, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
@@ -231,30 +231,30 @@ def test_static_and_continuous_agree(tiny_folder):
     assert cont.last_summary.slot_steps_wasted == 0 < stat.last_summary.slot_steps_wasted
 
 
-def test_contiguous_layout_matches_paged(tiny_folder):
+def test_contiguous_layout_matches_paged(tiny_llama):
     rng = np.random.default_rng(6)
     ps = prompts(5, rng)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    paged = make_llm(tiny_folder).generate(ps, params)
-    contiguous = LLM(model=str(tiny_folder), progress=False, kv_cache_layout="contiguous",
+    paged = make_llm(tiny_llama).generate(ps, params)
+    contiguous = LLM(model=str(tiny_llama), progress=False, kv_cache_layout="contiguous",
                      max_model_len=64, kv_cache_memory_bytes=1 << 20)
     assert contiguous.llm_engine.block_size == 64
     out = contiguous.generate(ps, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in paged]
 
 
-def test_engine_config_errors(tiny_folder):
+def test_engine_config_errors(tiny_llama):
     with pytest.raises(ValueError, match="block_size=0"):
-        LLMEngine(model=str(tiny_folder), block_size=0, progress=False)
+        LLMEngine(model=str(tiny_llama), block_size=0, progress=False)
     with pytest.raises(ValueError, match="batching='dynamic'"):
-        LLMEngine(model=str(tiny_folder), batching="dynamic", progress=False)
+        LLMEngine(model=str(tiny_llama), batching="dynamic", progress=False)
     with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):
-        LLMEngine(model=str(tiny_folder), max_model_len=4096, progress=False)
+        LLMEngine(model=str(tiny_llama), max_model_len=4096, progress=False)
     with pytest.raises(ValueError, match="holds 0 blocks.*kv_cache_memory_bytes=10"):
-        LLMEngine(model=str(tiny_folder), kv_cache_memory_bytes=10, progress=False)
+        LLMEngine(model=str(tiny_llama), kv_cache_memory_bytes=10, progress=False)
 
 
-def test_gpu_pool_sized_from_total_memory(tiny_folder, monkeypatch):
+def test_gpu_pool_sized_from_total_memory(tiny_llama, monkeypatch):
     """vLLM's gpu_memory_utilization: the instance may use util × TOTAL device memory; what
     is in use already (total - free) and one step's activations come off, the rest is KV."""
     import refserve.engine as engine_module
@@ -267,9 +267,9 @@ def test_gpu_pool_sized_from_total_memory(tiny_folder, monkeypatch):
         def total_device_memory(self):
             return 4_000_000
 
-    monkeypatch.setattr(engine_module, "get_backend", lambda name: FakeDevice())
+    monkeypatch.setattr(engine_module, "get_backend", lambda name, **options: FakeDevice())
     def pool(utilization):
-        return LLMEngine(model=str(tiny_folder), block_size=4, max_num_batched_tokens=64,
+        return LLMEngine(model=str(tiny_llama), block_size=4, max_num_batched_tokens=64,
                          gpu_memory_utilization=utilization, progress=False).num_blocks
 
     bytes_per_block = 4 * (2 * 2 * 2 * 12 * 4)   # block_size × 2·layers·kv_heads·head_dim·4
@@ -278,7 +278,7 @@ def test_gpu_pool_sized_from_total_memory(tiny_folder, monkeypatch):
     assert pool(0.5) == (2_000_000 - 1_000_000 - activations) // bytes_per_block
     assert pool(0.3) == (1_200_000 - 1_000_000 - activations) // bytes_per_block
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.2: .* in use already"):
-        LLMEngine(model=str(tiny_folder), block_size=4, gpu_memory_utilization=0.2,
+        LLMEngine(model=str(tiny_llama), block_size=4, gpu_memory_utilization=0.2,
                   progress=False)
 
 
@@ -294,10 +294,10 @@ def run_to_end(engine):
     return done
 
 
-def test_failed_step_then_abort_recovers(tiny_folder):
+def test_failed_step_then_abort_recovers(tiny_llama):
     # Step 2 has copy-on-write copies for both forked requests and fails in the forward;
     # aborting one request frees its private copy. The engine must then keep serving.
-    llm = make_llm(tiny_folder, enable_prefix_caching=False)
+    llm = make_llm(tiny_llama, enable_prefix_caching=False)
     engine = llm.llm_engine
     params = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
     engine.add_request("a", [5, 6, 7, 8, 9, 10], params)
@@ -313,15 +313,15 @@ def test_failed_step_then_abort_recovers(tiny_folder):
     done = run_to_end(engine)
     kv = engine.kv_cache_manager
     assert kv.num_held_blocks == 0
-    fresh = make_llm(tiny_folder, enable_prefix_caching=False).generate(
+    fresh = make_llm(tiny_llama, enable_prefix_caching=False).generate(
         [[11, 12, 13, 14, 15, 16]], params)[0]
     assert [c.token_ids for c in done["b"].outputs] == [c.token_ids for c in fresh.outputs]
 
 
-def test_sampling_failure_leaves_no_children_and_retry_is_reproducible(tiny_folder):
+def test_sampling_failure_leaves_no_children_and_retry_is_reproducible(tiny_llama):
     params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=11, ignore_eos=True)
-    expected = make_llm(tiny_folder).generate([[5, 6, 7, 8]], params)[0]
-    llm = make_llm(tiny_folder)
+    expected = make_llm(tiny_llama).generate([[5, 6, 7, 8]], params)[0]
+    llm = make_llm(tiny_llama)
     engine = llm.llm_engine
     engine.add_request("r", [5, 6, 7, 8], params)
     original = engine.sampler.sample
@@ -344,18 +344,18 @@ def test_sampling_failure_leaves_no_children_and_retry_is_reproducible(tiny_fold
         [c.token_ids for c in expected.outputs]
 
 
-def test_kv_peak_is_measured_before_retiring(tiny_folder):
-    llm = make_llm(tiny_folder)
+def test_kv_peak_is_measured_before_retiring(tiny_llama):
+    llm = make_llm(tiny_llama)
     llm.generate([[5, 6, 7, 8, 9]] * 1 + [[10 + i, 11] for i in range(7)],
                  SamplingParams(max_tokens=1, temperature=0.0))
     # 1 request of 5 (+1) tokens -> 2 blocks of 4, 7 of 2 (+1) -> 1 block each, same step.
     assert llm.last_summary.kv_blocks_peak == 2 + 7
 
 
-def test_sequence_ids_are_per_engine(tiny_folder):
+def test_sequence_ids_are_per_engine(tiny_llama):
     ids = []
     for _ in range(2):
-        engine = make_llm(tiny_folder).llm_engine
+        engine = make_llm(tiny_llama).llm_engine
         engine.add_request("x", [5, 6, 7], SamplingParams(n=2, max_tokens=3, seed=1))
         engine.add_request("y", [8, 9], SamplingParams(max_tokens=3))
         engine.step()

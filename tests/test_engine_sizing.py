@@ -22,10 +22,10 @@ def engine(folder, **kw):
     return LLMEngine(model=str(folder), progress=False, **kw)
 
 
-def test_pool_smaller_than_one_max_model_len_sequence_is_refused(tiny_folder):
+def test_pool_smaller_than_one_max_model_len_sequence_is_refused(tiny_llama):
     # 10 blocks of 4 = 40 tokens; max_model_len 64 needs 16 blocks.
     with pytest.raises(ValueError) as err:
-        engine(tiny_folder, block_size=4, num_gpu_blocks_override=10, max_model_len=64)
+        engine(tiny_llama, block_size=4, num_gpu_blocks_override=10, max_model_len=64)
     msg = str(err.value)
     for part in ("10 blocks = 40 tokens", "max_model_len=64", "needs 16 blocks",
                  "num_gpu_blocks_override=10", "more memory", "num_gpu_blocks_override >= 16",
@@ -33,15 +33,15 @@ def test_pool_smaller_than_one_max_model_len_sequence_is_refused(tiny_folder):
         assert part in msg, (part, msg)
 
 
-def test_pool_sized_from_kv_cache_memory_is_refused_with_the_knob_named(tiny_folder):
+def test_pool_sized_from_kv_cache_memory_is_refused_with_the_knob_named(tiny_llama):
     # 20 blocks' worth of memory, but the model's default max_model_len (128) needs 32.
     memory = 20 * 4 * KV_BYTES_PER_TOKEN_F32
     with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={memory}.*max_model_len=128"):
-        engine(tiny_folder, block_size=4, kv_cache_memory_bytes=memory)
+        engine(tiny_llama, block_size=4, kv_cache_memory_bytes=memory)
 
 
-def test_pool_of_exactly_one_sequence_is_accepted_and_serves_it(tiny_folder):
-    llm = LLM(model=str(tiny_folder), progress=False, block_size=4, num_gpu_blocks_override=16,
+def test_pool_of_exactly_one_sequence_is_accepted_and_serves_it(tiny_llama):
+    llm = LLM(model=str(tiny_llama), progress=False, block_size=4, num_gpu_blocks_override=16,
               max_model_len=64)
     assert llm.llm_engine.num_blocks == 16
     params = SamplingParams(max_tokens=64 - 40, temperature=0.0, ignore_eos=True)
@@ -49,13 +49,13 @@ def test_pool_of_exactly_one_sequence_is_accepted_and_serves_it(tiny_folder):
     assert len(out.outputs[0].token_ids) == 24       # grew to exactly max_model_len
 
 
-def test_engine_sizing_uses_the_capacity_math(tiny_folder, monkeypatch):
+def test_engine_sizing_uses_the_capacity_math(tiny_llama, monkeypatch):
     """The pool is num_blocks_for_memory(...) of the capacity module, called, not re-derived:
     replacing the function changes the pool."""
-    e = engine(tiny_folder, block_size=4, kv_cache_memory_bytes=1 << 20)
+    e = engine(tiny_llama, block_size=4, kv_cache_memory_bytes=1 << 20)
     assert e.num_blocks == min((1 << 20) // (4 * KV_BYTES_PER_TOKEN_F32), 256 * 32)
     monkeypatch.setattr(capacity, "num_blocks_for_memory", lambda *a, **k: 77)
-    assert engine(tiny_folder, block_size=4, kv_cache_memory_bytes=1 << 20).num_blocks == 77
+    assert engine(tiny_llama, block_size=4, kv_cache_memory_bytes=1 << 20).num_blocks == 77
 
 
 # ------------------------------------------------------------------------------- dtype
@@ -68,17 +68,17 @@ def test_dtype_names_are_validated():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_numpy_backend_accepts_only_float32(tiny_folder, dtype):
+def test_numpy_backend_accepts_only_float32(tiny_llama, dtype):
     for backend in ("numpy", "cpu"):
         with pytest.raises(ValueError, match=f"{backend} backend computes in float32; use "
                                              "dtype='float32' or the cupy backend"):
-            engine(tiny_folder, dtype=dtype, num_gpu_blocks_override=64, backend=backend)
+            engine(tiny_llama, dtype=dtype, num_gpu_blocks_override=64, backend=backend)
     for ok in ("auto", "float32"):
-        kv = engine(tiny_folder, dtype=ok, num_gpu_blocks_override=64).runner.kv_caches
+        kv = engine(tiny_llama, dtype=ok, num_gpu_blocks_override=64).runner.kv_caches
         assert kv[0][0].dtype == np.float32
 
 
-def test_dtype_sizes_the_pool_and_the_cache_and_only_logits_are_upcast(tiny_folder,
+def test_dtype_sizes_the_pool_and_the_cache_and_only_logits_are_upcast(tiny_llama,
                                                                         monkeypatch):
     """A backend that computes in float16: weights and KV cache are float16, a KV pool of the
     same memory holds twice the blocks, and the logits come back float32."""
@@ -87,12 +87,12 @@ def test_dtype_sizes_the_pool_and_the_cache_and_only_logits_are_upcast(tiny_fold
         def resolve_dtype(self, dtype):
             return np.dtype(np.float16)
 
-    monkeypatch.setattr(engine_module, "get_backend", lambda name: HalfBackend())
+    monkeypatch.setattr(engine_module, "get_backend", lambda name, **options: HalfBackend())
     memory = 1 << 18
-    half = engine(tiny_folder, block_size=4, kv_cache_memory_bytes=memory, dtype="float16")
+    half = engine(tiny_llama, block_size=4, kv_cache_memory_bytes=memory, dtype="float16")
     assert half.num_blocks == memory // (4 * KV_BYTES_PER_TOKEN_F32 // 2)
     assert half.runner.kv_caches[0][0].dtype == np.float16
-    assert half.model.layers[0].w_qkv.dtype == np.float16
+    assert half.model.layers[0].attention.w_qkv.dtype == np.float16
     half.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
     out = half.scheduler.schedule()
     logits = half.runner.forward(half.runner.prepare(out))

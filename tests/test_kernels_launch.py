@@ -169,7 +169,7 @@ def test_copy_pairs_independence():
     assert cl.copy_pairs_are_independent(np.zeros((0, 2), np.int64), 5)
     # a chain 1 -> 2 -> 3: block 2 is read and written, so one launch could read it late
     assert not cl.copy_pairs_are_independent(np.array([[1, 2], [2, 3]]), 5)
-    with pytest.raises(ValueError, match="duplicate destination"):
+    with pytest.raises(ValueError, match="destination block appears twice"):
         cl.copy_pairs_are_independent(np.array([[0, 2], [1, 2]]), 5)
     with pytest.raises(ValueError, match="block ids"):
         cl.copy_pairs_are_independent(np.array([[0, 5]]), 5)

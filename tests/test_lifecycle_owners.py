@@ -47,7 +47,7 @@ def all_finishing_sites() -> dict[str, list[str]]:
 
 def test_a_sequence_finishes_only_in_update_retire_or_abort():
     assert all_finishing_sites() == {
-        "scheduler/intake.py": ["abort"], "scheduler/scheduler.py": ["_retire", "update"]}
+        "scheduler/scheduler.py": ["_retire", "abort", "update"]}
 
 
 def test_the_checker_sees_a_second_retirement_path():
@@ -101,7 +101,7 @@ def test_num_computed_tokens_has_one_writer_in_the_scheduler():
             found[str(path.relative_to(ROOT))] = writers
     assert found == {"scheduler/scheduler.py": ["_preempt", "update"],
                      "sequence.py": ["__init__", "fork"],
-                     "speculation/draft_model.py": ["_sync", "propose"]}
+                     "spec_decode/draft_model.py": ["_sync", "propose"]}
     # negative control: a second writer is seen
     assert computed_token_writers(ast.parse(
         "def _add_row(seq):\n    seq.num_computed_tokens += 4\n")) == ["_add_row"]

@@ -6,7 +6,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from refserve.backends import NumpyBackend
-from refserve.logprobs import Logprob, compute_logprobs, log_softmax, prompt_logprobs
+from refserve.logprobs import (
+    Logprob,
+    compute_logprobs,
+    log_softmax,
+    prompt_logprobs,
+    sampled_logprobs,
+)
 from refserve.sampling import Sampler, SamplingParams, make_generator
 
 
@@ -87,15 +93,15 @@ def test_sampler_reports_raw_logprobs_of_the_sampled_token():
     logits = rng.normal(size=(3, 50)).astype(np.float32)
     params = [SamplingParams(temperature=0.3, top_k=3, logprobs=2, repetition_penalty=1.5),
               SamplingParams(temperature=0.0), SamplingParams(logprobs=0)]
-    out = sampler().sample_with_logprobs(
-        logits, params, [make_generator(i) for i in range(3)],
-        prompt_token_ids=[[1, 2], [], []], output_token_ids=[[3], [], []])
+    tokens = sampler().sample(logits, params, [make_generator(i) for i in range(3)],
+                              prompt_token_ids=[[1, 2], [], []], output_token_ids=[[3], [], []])
+    found = sampled_logprobs(logits, tokens, params)
     ref = ref_log_softmax(logits)
-    assert out.logprobs[1] is None
+    assert found[1] is None
     for i in (0, 2):
-        d = out.logprobs[i]
-        tok = out.token_ids[i]
+        d = found[i]
+        tok = tokens[i]
         assert next(iter(d)) == tok
         assert abs(d[tok].logprob - ref[i, tok]) <= 1e-5
         assert d[tok].rank == int((logits[i] >= logits[i, tok]).sum())
-    assert len(out.logprobs[2]) == 1
+    assert len(found[2]) == 1

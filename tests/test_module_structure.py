@@ -127,10 +127,11 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "refserve.outputs", "refserve.sequence", "refserve.benchmark_datasets")),
     ("kv cache and capacity", ("refserve.kv_cache", "refserve.capacity")),
     ("scheduler", ("refserve.scheduler",)),
-    ("spec-decode math", ("refserve.spec_decode",)),
+    ("spec-decode math", ("refserve.spec_decode.rejection_sampler",
+                          "refserve.spec_decode.warping", "refserve.spec_decode.adaptive")),
     ("backends and models", ("refserve.backends", "refserve.models")),
     ("model runner", ("refserve.model_runner", "refserve.static_runner")),
-    ("spec-decode orchestration", ("refserve.speculation",)),
+    ("spec-decode orchestration", ("refserve.spec_decode",)),
     ("engine", ("refserve.engine", "refserve.engine_setup", "refserve.request_intake",
                 "refserve.output_processor", "refserve.prompt_logprobs")),
     ("llm, entrypoints, CLIs, bench, simulator", (
@@ -176,7 +177,7 @@ def test_uphill_checker_catches_an_uphill_import():
     assert floor_of("refserve.scheduler.scheduler") < floor_of("refserve.engine")
     assert floor_of("refserve.kv_cache") == 1 and floor_of("refserve") == len(FLOORS) - 1
     bad = uphill_imports({"refserve.scheduler.scheduler": {"refserve.engine"},
-                          "refserve.backends.base": {"refserve.speculation.verify"},
+                          "refserve.backends.base": {"refserve.spec_decode.verify"},
                           "refserve.engine": {"refserve.scheduler"}})
     assert len(bad) == 2 and "refserve.scheduler.scheduler" in bad[1]
 

@@ -125,9 +125,9 @@ def mixed_step(rng):
     return SimpleNamespace(scheduled=rows, padding=padding, block_copies=[(0, nxt)]), nxt + 1
 
 
-def test_forward_reads_nothing_back_from_the_device(tiny_folder, monkeypatch):
+def test_forward_reads_nothing_back_from_the_device(tiny_llama, monkeypatch):
     backend = CountingBackend()
-    model = load_model(tiny_folder, backend)
+    model = load_model(tiny_llama, backend)
     out, num_blocks = mixed_step(np.random.default_rng(0))
     runner = StaticBatchRunner(model, backend, num_blocks=num_blocks, block_size=4)
     inputs = runner.prepare(out)

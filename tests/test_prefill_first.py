@@ -31,8 +31,8 @@ class Steps:
         self.steps.append([(row.seq.request_id, row.kind) for row in out.scheduled])
 
 
-def run(tiny_folder, chunked: bool, budget: int = 64):
-    engine = LLMEngine(model=str(tiny_folder), block_size=4, max_num_batched_tokens=budget,
+def run(tiny_llama, chunked: bool, budget: int = 64):
+    engine = LLMEngine(model=str(tiny_llama), block_size=4, max_num_batched_tokens=budget,
                        enable_chunked_prefill=chunked, progress=False)
     engine.observer = steps = Steps()
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -49,9 +49,9 @@ def run(tiny_folder, chunked: bool, budget: int = 64):
     return steps.steps, outputs
 
 
-def test_prefill_first_runs_prefill_only_steps_and_stalls_decodes(tiny_folder):
-    steps, outputs = run(tiny_folder, chunked=False)
-    mixed_steps, mixed_outputs = run(tiny_folder, chunked=True)
+def test_prefill_first_runs_prefill_only_steps_and_stalls_decodes(tiny_llama):
+    steps, outputs = run(tiny_llama, chunked=False)
+    mixed_steps, mixed_outputs = run(tiny_llama, chunked=True)
     # Prefill-first: b's whole 40-token prompt and the first 24 tokens of c's fill the
     # 64-token budget; a, decoding, is in neither of the next two steps.
     assert steps[3] == [("b", "prefill"), ("c", "chunk")]

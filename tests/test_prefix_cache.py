@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from refserve.kv_cache import BlockAllocator, KVCacheManager, prefix_cache
-from refserve.kv_cache.prefix_cache import BlockKey, HashChainCache
+from refserve.kv_cache import BlockAllocator, KVCacheManager, hash_chain
+from refserve.kv_cache.hash_chain import BlockKey, HashChainCache
 from refserve.sampling import SamplingParams
 from refserve.sequence import Sequence
 
@@ -174,7 +174,7 @@ def test_stale_computed_blocks_are_rejected():
 
 
 def test_collision_guard_with_constant_hash(monkeypatch):
-    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent_hash, tokens: 42)
+    monkeypatch.setattr(hash_chain, "hash_block", lambda parent_hash, tokens: 42)
     assert BlockKey(None, (1, 2)) != BlockKey(None, (3, 4))
     # Same tokens at another depth: still different keys.
     assert BlockKey(BlockKey(None, (1, 2)), (1, 2)) != BlockKey(None, (1, 2))
@@ -287,7 +287,6 @@ def test_append_rule_through_the_manager():
     seq.append_token(2)  # the 17th token: exactly one new block
     manager.allocate_slots(seq, 1)
     assert manager.num_held_blocks == 2 and manager.num_free_blocks == 6
-    assert manager.usage() == pytest.approx(2 / 8)
     manager.release(seq)
     assert manager.num_held_blocks == 0 and manager.num_available_blocks == 8
     manager.release(seq)  # releasing a sequence without blocks is a no-op
@@ -329,7 +328,7 @@ def hash_chain_problems(keys) -> list[str]:
     problems = []
     for depth, key in enumerate(keys):
         parent = None if depth == 0 else keys[depth - 1].value
-        if key.value != prefix_cache.hash_block(parent, key.tokens):
+        if key.value != hash_chain.hash_block(parent, key.tokens):
             problems.append(f"block {depth}: value is not hash_block(parent hash, tokens)")
     if len({k.value for k in keys}) != len(keys):
         problems.append("equal tokens at different depths share a hash: the parent's hash "
@@ -343,18 +342,18 @@ def test_block_hash_includes_the_parent_hash():
     manager = KVCacheManager(num_blocks=16, block_size=BS)
     a = make_seq([3] * (4 * BS) + [1])  # four full blocks holding the same tokens
     run_prefill(manager, a)
-    keys = [manager.prefix_cache.key_of(b) for b in manager.get_block_ids(a.seq_id)[:4]]
-    assert all(k is not None for k in keys)
+    key_of_block = manager.prefix_cache._key_of_block  # the chain itself, read directly
+    keys = [key_of_block[b] for b in manager.get_block_ids(a.seq_id)[:4]]
     assert [k.parent for k in keys] == [None, *keys[:-1]]
     assert hash_chain_problems(keys) == []
     tokens = (1, 2, 3, 4)
-    assert prefix_cache.hash_block(None, tokens) != prefix_cache.hash_block(12345, tokens)
+    assert hash_chain.hash_block(None, tokens) != hash_chain.hash_block(12345, tokens)
     assert BlockKey(BlockKey(None, (9,) * BS), tokens).value != BlockKey(None, tokens).value
 
 
 def test_hash_chain_check_catches_a_hash_without_the_parent(monkeypatch):
     """Negative control: the mistake the test above is for."""
-    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent_hash, tokens: hash(tokens))
+    monkeypatch.setattr(hash_chain, "hash_block", lambda parent_hash, tokens: hash(tokens))
     key = None
     keys = []
     for _ in range(3):

@@ -32,8 +32,8 @@ def branching_prompts(seed=0):
     return prompts
 
 
-def run(tiny_folder, blocks, one_at_a_time, **kw):
-    llm = LLM(model=str(tiny_folder), progress=False, block_size=4,
+def run(tiny_llama, blocks, one_at_a_time, **kw):
+    llm = LLM(model=str(tiny_llama), progress=False, block_size=4,
               num_gpu_blocks_override=blocks, max_num_seqs=2, max_model_len=40, **kw)
     prompts = branching_prompts()
     if one_at_a_time:  # later prompts find what earlier ones cached
@@ -45,10 +45,10 @@ def run(tiny_folder, blocks, one_at_a_time, **kw):
 
 
 @pytest.mark.parametrize("blocks, one_at_a_time", [(64, True), (16, True), (16, False)])
-def test_greedy_output_is_the_same_off_hash_radix(tiny_folder, blocks, one_at_a_time):
-    off, off_stats, _ = run(tiny_folder, blocks, one_at_a_time, enable_prefix_caching=False)
-    hashed, hash_stats, _ = run(tiny_folder, blocks, one_at_a_time)
-    radix, radix_stats, llm = run(tiny_folder, blocks, one_at_a_time,
+def test_greedy_output_is_the_same_off_hash_radix(tiny_llama, blocks, one_at_a_time):
+    off, off_stats, _ = run(tiny_llama, blocks, one_at_a_time, enable_prefix_caching=False)
+    hashed, hash_stats, _ = run(tiny_llama, blocks, one_at_a_time)
+    radix, radix_stats, llm = run(tiny_llama, blocks, one_at_a_time,
                                   prefix_caching_policy="radix")
     assert off == hashed == radix
     assert off_stats["prefix_cache_hit_tokens"] == 0
@@ -62,18 +62,18 @@ def test_greedy_output_is_the_same_off_hash_radix(tiny_folder, blocks, one_at_a_
     assert kv.num_evictable_blocks == len(kv.cached_blocks()) > 0
 
 
-def test_a_small_pool_evicts_under_both_policies(tiny_folder):
+def test_a_small_pool_evicts_under_both_policies(tiny_llama):
     for policy in ("hash", "radix"):
-        _, stats, _ = run(tiny_folder, 16, True, prefix_caching_policy=policy)
+        _, stats, _ = run(tiny_llama, 16, True, prefix_caching_policy=policy)
         assert stats["prefix_cache_evictions"] > 0, policy
 
 
-def test_radix_hits_the_stem_block_aligned(tiny_folder):
+def test_radix_hits_the_stem_block_aligned(tiny_llama):
     """The second prompt shares 13 stem tokens with the first: 3 whole blocks of 4 hit (the
     13th token lies in a block that diverges), whatever the policy."""
     prompts = branching_prompts()
     for policy in ("hash", "radix"):
-        llm = LLM(model=str(tiny_folder), progress=False, block_size=4,
+        llm = LLM(model=str(tiny_llama), progress=False, block_size=4,
                   num_gpu_blocks_override=64, prefix_caching_policy=policy)
         llm.generate([prompts[0]], GREEDY, use_tqdm=False)
         out = llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0]

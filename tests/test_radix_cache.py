@@ -66,7 +66,7 @@ def test_insert_of_a_diverging_prefix_splits_and_branches():
     assert shape(tree) == [((1, 2), [a[0]], 0, [((3, 4, 5, 6), a[1:], 0, []),
                                                  ((7, 7), [b[1]], 0, [])])]
     # b's first block computed the same tokens as a's: a duplicate the tree did not take.
-    assert not tree.is_cached(b[0]) and allocator.is_available(b[0])
+    assert not tree.is_cached(b[0]) and b[0] in allocator.available_block_ids()
     tree.check_invariants()
 
 
@@ -214,7 +214,7 @@ def test_eviction_trims_a_leaf_only_as_far_as_needed():
     allocator, tree = make()
     blocks, _ = computed(allocator, tree, [1, 2, 3, 4, 5, 6])
     assert tree.evict(1) == [blocks[2]]
-    assert allocator.is_available(blocks[2])
+    assert blocks[2] in allocator.available_block_ids()
     hit = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
     assert hit.block_ids == blocks[:2]  # the rest of the leaf is still found
     tree.check_invariants()
@@ -420,7 +420,7 @@ class RadixMachine(RuleBasedStateMachine):
         for block_id in freed:
             lock_ref, _ = before[block_id]
             assert lock_ref == 0, f"evicted block {block_id} of a locked node"
-            assert block_id not in held and self.allocator.is_available(block_id)
+            assert block_id not in held and self.allocator.ref_count(block_id) == 0
         # Only leaves lose blocks: a node that had children when evict began loses blocks
         # only after all its children went (they are then gone from the tree).
         for block_id in freed:

@@ -7,9 +7,13 @@ import numpy as np
 import pytest
 
 from refserve.backends import CpuBackend, NumpyBackend
-from refserve.backends.cpu_sampling import kept_distributions
-from refserve.backends.numpy_backend import sampling_weights
-from refserve.sampling import Sampler, SamplingParams, draw_arguments, make_generator
+from refserve.sampling import (
+    Sampler,
+    SamplingParams,
+    draw_arguments,
+    make_generator,
+    nucleus_arguments,
+)
 
 BACKENDS = {"numpy": NumpyBackend(), "cpu": CpuBackend()}
 each_backend = pytest.mark.parametrize("backend", list(BACKENDS))
@@ -22,15 +26,8 @@ def probabilities(backend: str, logits, params: SamplingParams) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float32)[None]
     if params.greedy:                     # the Sampler's argmax: the draw never sees it
         return np.eye(x.shape[1])[np.argmax(x[0])]
-    args = draw_arguments([params], [make_generator(0)])
-    del args["uniforms"]
-    if backend == "numpy":
-        w = sampling_weights(np, x, **args)[0].astype(np.float64)
-    else:
-        ((ids, weights),) = kept_distributions(x, **args)
-        w = np.zeros(x.shape[1])
-        w[slice(None) if ids is None else ids] = weights
-    return w / w.sum()
+    w = BACKENDS[backend].sampling_weights(x, **nucleus_arguments([params]))[0]
+    return w.astype(np.float64) / w.sum(dtype=np.float64)
 
 
 def sample_from_logits(backend: str, logits, params: SamplingParams, generator) -> int:
@@ -250,6 +247,21 @@ def test_nucleus_ties_are_decided_on_logits(backend):
     tied = np.array([0.0, 0.0], dtype=np.float32)       # equal logits: kept together
     np.testing.assert_array_equal(probabilities(backend, tied, SamplingParams(top_p=0.5)),
                                   [0.5, 0.5])
+
+
+# Two tied logits ahead of a third: p = .422 .422 .155. With top_p 0.4 the first token alone
+# reaches 0.4, but its tie goes with it: the nucleus is both, each 1/2. (Ranked one by one,
+# as a sort that breaks ties by index would, the second token has 0.422 >= 0.4 before it and
+# would be dropped.)
+@each_backend
+def test_a_tie_at_the_nucleus_boundary_is_kept_whole(backend):
+    got = probabilities(backend, [0.0, 0.0, -1.0], SamplingParams(top_p=0.4))
+    np.testing.assert_allclose(got, [0.5, 0.5, 0.0], atol=1e-7)
+    assert got[2] == 0
+    rows = np.repeat(np.array([[0.0, 0.0, -1.0]], np.float32), 4, axis=0)
+    draws = BACKENDS[backend].sample(rows, **draw_arguments(
+        [SamplingParams(top_p=0.4)] * 4, [FixedUniform(u) for u in (0.0, 0.49, 0.51, 0.99)]))
+    assert draws.tolist() == [0, 0, 1, 1]
 
 
 # The top two logits are tied (0.3 each) and a third is close behind (0.29): with top_p 0.5

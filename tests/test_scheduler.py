@@ -63,14 +63,14 @@ class FakeRunner:
         seen: set[int] = set()
         for row in out.padding:
             seq = row.seq
-            assert seq.is_finished and not row.num_logits and row.num_tokens == 1
+            assert seq.is_finished and not row.num_logits and row.num_scheduled_tokens == 1
             assert row.start == seq.num_computed_tokens - 1
         padding = [(row, True) for row in out.padding]
         for row, is_padding in [(row, False) for row in out.scheduled] + padding:
             seq = row.seq
             assert seq.seq_id not in seen, "a sequence is scheduled twice in one step"
             seen.add(seq.seq_id)
-            assert row.num_tokens >= 1
+            assert row.num_scheduled_tokens >= 1
             if not is_padding:
                 assert seq.status is SequenceStatus.RUNNING
                 # Past the computed tokens only by the prefix-cache hits of an admission.
@@ -268,7 +268,7 @@ def check_random_workload(batching, policy, preemption, w):
         out = sched.schedule()
         num_steps += 1
         assert num_steps <= bound, "the loop does not terminate"
-        assert out.num_batched_tokens == sum(row.num_tokens
+        assert out.num_batched_tokens == sum(row.num_scheduled_tokens
                                          for row in out.scheduled + out.padding)
         assert 1 <= out.num_batched_tokens <= w["budget"]
         assert len(out.scheduled) <= w["max_num_seqs"]
@@ -327,8 +327,9 @@ def test_chunked_prefill_interleaves_with_decodes():
     for _ in range(4):
         out, _ = step(sched, runner)
         assert [row.seq for row in out.scheduled] == [a, b]
-        assert out.scheduled[0].kind == "decode" and out.scheduled[0].num_tokens == 1
-        rows.append((out.scheduled[1].start, out.scheduled[1].num_tokens, out.scheduled[1].kind))
+        assert out.scheduled[0].kind == "decode" and out.scheduled[0].num_scheduled_tokens == 1
+        second = out.scheduled[1]
+        rows.append((second.start, second.num_scheduled_tokens, second.kind))
         assert out.num_batched_tokens <= 32
     assert rows == [(0, 31, "chunk"), (31, 31, "chunk"), (62, 31, "chunk"), (93, 7, "prefill")]
     assert b.num_output_tokens == 1 and b.num_computed_tokens == 100
@@ -505,7 +506,7 @@ def test_prefix_cache_hits_are_not_recomputed():
     sched.add_sequence(second)
     out, _ = step(sched, runner)
     assert second.num_cached_tokens == 8
-    assert (out.scheduled[0].start, out.scheduled[0].num_tokens) == (8, 2)
+    assert (out.scheduled[0].start, out.scheduled[0].num_scheduled_tokens) == (8, 2)
 
 
 def test_fork_between_schedule_and_update_rides_the_step():
@@ -540,8 +541,8 @@ def test_a_step_never_applied_is_scheduled_again():
     assert len(failed.block_copies) == 1
     retry = sched.schedule()
     assert retry.block_copies == failed.block_copies
-    assert [(r.seq, r.start, r.num_tokens) for r in retry.scheduled] == \
-        [(r.seq, r.start, r.num_tokens) for r in failed.scheduled]
+    assert [(r.seq, r.start, r.num_scheduled_tokens) for r in retry.scheduled] == \
+        [(r.seq, r.start, r.num_scheduled_tokens) for r in failed.scheduled]
     with pytest.raises(ValueError):
         sched.update(failed, {})
     sched.update(retry, runner.execute(retry))
@@ -607,7 +608,7 @@ def test_static_padding_keeps_seat_and_blocks_until_the_batch_ends():
         out, retired = step(sched, runner)
         pad = out.padding
         assert [row.seq for row in pad] == [short] and short not in [r.seq for r in out.scheduled]
-        assert (pad[0].num_tokens, pad[0].start, pad[0].num_logits) == (1, 4, 0)
+        assert (pad[0].num_scheduled_tokens, pad[0].start, pad[0].num_logits) == (1, 4, 0)
         assert out.admitted == [] and late in sched.waiting
         assert "padding" in str(out)
     assert retired == [long_]
@@ -684,7 +685,7 @@ def test_update_rejects_an_empty_token_list():
         sched.update(out, {a.seq_id: []})
     assert a.num_computed_tokens == 0 and a.num_output_tokens == 0
     retry = sched.schedule()
-    assert [(r.start, r.num_tokens, r.num_logits) for r in retry.scheduled] == [(0, 5, 1)]
+    assert [(r.start, r.num_scheduled_tokens, r.num_logits) for r in retry.scheduled] == [(0, 5, 1)]
 
 
 def test_update_forks_children_only_when_the_step_is_applied():
@@ -728,7 +729,7 @@ def test_verify_row_has_k_plus_one_logits_and_rejected_drafts_are_not_computed()
     step(sched, runner)  # prefill: 5 computed, 1 sampled -> 6 tokens, 5 computed
     out = sched.schedule({a.seq_id: Proposal([11, 12, 13])})
     (row,) = out.scheduled
-    assert (row.start, row.num_tokens, row.num_logits, row.kind) == (5, 4, 4, "verify")
+    assert (row.start, row.num_scheduled_tokens, row.num_logits, row.kind) == (5, 4, 4, "verify")
     assert row.draft_token_ids == (11, 12, 13) and a.num_tokens == 6  # drafts stay apart
     # One draft accepted, then a recovered token: two tokens appended.
     update = sched.update(out, {a.seq_id: [11, 42]})
@@ -736,7 +737,7 @@ def test_verify_row_has_k_plus_one_logits_and_rejected_drafts_are_not_computed()
     assert update.verified[a.seq_id] == (3, 1)
     assert a.num_computed_tokens == a.num_tokens - 1 == 7
     out = sched.schedule()
-    assert (out.scheduled[0].start, out.scheduled[0].num_tokens) == (7, 1)
+    assert (out.scheduled[0].start, out.scheduled[0].num_scheduled_tokens) == (7, 1)
 
 
 def test_drafts_that_do_not_fit_the_budget_are_dropped():
@@ -762,7 +763,7 @@ def test_drafts_that_do_not_fit_the_pool_are_dropped_and_preempt_no_one():
         seq = a if drafter == "a" else b
         out = sched.schedule({seq.seq_id: Proposal([7, 8, 9])})  # positions 4-6: no block
         assert out.preempted == [] and list(sched.running) == [a, b]
-        assert [(row.seq, row.num_tokens, row.draft_token_ids) for row in out.scheduled] == \
+        assert [(r.seq, r.num_scheduled_tokens, r.draft_token_ids) for r in out.scheduled] == \
             [(a, 1, ()), (b, 1, ())]
         sched.update(out, runner.execute(out))
         assert kv.num_held_blocks == 2
@@ -809,7 +810,7 @@ def test_long_prefill_token_threshold_leaves_budget_for_the_requests_behind():
             out, _ = step(sched, runner)
             assert out.num_batched_tokens <= 16
             if threshold:
-                assert all(r.num_tokens <= threshold for r in out.scheduled)
+                assert all(r.num_scheduled_tokens <= threshold for r in out.scheduled)
             if short.num_output_tokens:
                 return n
         raise AssertionError("the short request never ran")

@@ -333,14 +333,14 @@ def test_lpm_starvation_guard(max_passes, bound):
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def test_greedy_output_is_the_same_under_every_scheduling_policy(tiny_folder):
+def test_greedy_output_is_the_same_under_every_scheduling_policy(tiny_llama):
     rng = np.random.default_rng(1)
     stem = rng.integers(3, 97, size=12).tolist()
     prompts = [stem + rng.integers(3, 97, size=int(n)).tolist() for n in (3, 9, 1, 6, 4, 2)]
     priorities = [2, 0, 1, 0, 3, 1]
     outputs = {}
     for policy in ("fcfs", "lpm", "priority"):
-        llm = LLM(model=str(tiny_folder), progress=False, block_size=4, max_model_len=40,
+        llm = LLM(model=str(tiny_llama), progress=False, block_size=4, max_model_len=40,
                   num_gpu_blocks_override=14, max_num_seqs=3, scheduling_policy=policy)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False,
                             priority=priorities if policy == "priority" else None)
@@ -349,13 +349,13 @@ def test_greedy_output_is_the_same_under_every_scheduling_policy(tiny_folder):
     assert outputs["fcfs"] == outputs["lpm"] == outputs["priority"]
 
 
-def test_priority_argument_rules(tiny_folder):
-    llm = LLM(model=str(tiny_folder), progress=False, block_size=4, max_model_len=40,
+def test_priority_argument_rules(tiny_llama):
+    llm = LLM(model=str(tiny_llama), progress=False, block_size=4, max_model_len=40,
               num_gpu_blocks_override=32)
     with pytest.raises(ValueError, match="prompt 1: priority=3 given, but scheduling_policy"):
         llm.generate([[5, 6], [7, 8]], GREEDY, priority=[0, 3])
     llm.generate([[5, 6]], GREEDY, priority=[0])  # 0 is everyone's priority: fine
-    prio = LLM(model=str(tiny_folder), progress=False, block_size=4, max_model_len=40,
+    prio = LLM(model=str(tiny_llama), progress=False, block_size=4, max_model_len=40,
                num_gpu_blocks_override=32, scheduling_policy="priority")
     with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
         prio.generate([[5, 6]], GREEDY, priority=[0, 1])
@@ -363,7 +363,7 @@ def test_priority_argument_rules(tiny_folder):
         prio.llm_engine.add_request(None, [5, 6], GREEDY, priority="high")
     assert not prio.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="batching='continuous'"):
-        LLM(model=str(tiny_folder), progress=False, batching="static",
+        LLM(model=str(tiny_llama), progress=False, batching="static",
             scheduling_policy="lpm")
 
 

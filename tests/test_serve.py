@@ -251,8 +251,8 @@ async def _post_all(url, bodies):
         return await asyncio.gather(*(c.post(url + "/v1/completions", json=b) for b in bodies))
 
 
-def test_full_waiting_queue_is_a_503_with_retry_after(tiny_dir):
-    s = ServerThread(make_engine(tiny_dir, max_num_seqs=1), max_waiting=1)
+def test_full_waiting_queue_is_a_503_with_retry_after(tiny_chat_llama):
+    s = ServerThread(make_engine(tiny_chat_llama, max_num_seqs=1), max_waiting=1)
     try:
         bodies = [{"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "temperature": 0,
                    "ignore_eos": True} for _ in range(6)]
@@ -309,10 +309,10 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(served, monkeypatch):
 
 
 @pytest.mark.parametrize("named", [True, False])
-def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(tiny_dir, named):
+def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(tiny_chat_llama, named):
     """An EngineStepError fails the requests it names; any other step error fails all in
     flight. Either way they get a 500, their blocks are freed and the next request works."""
-    s = ServerThread(make_engine(tiny_dir))
+    s = ServerThread(make_engine(tiny_chat_llama))
     try:
         original = s.engine.step
         calls = {"n": 0}
@@ -374,11 +374,11 @@ def test_200_concurrent_streams_all_finish_with_their_token_counts(served):
 
 # ---- the command line ---------------------------------------------------------------------
 
-def test_cli_serves_and_rejects_bad_flags(tiny_dir, tmp_path):
+def test_cli_serves_and_rejects_bad_flags(tiny_chat_llama, tmp_path):
     bad = ServerProcess(["--port", "70000"], tmp_path)
     assert bad.wait() == 2
     assert "error:" in bad.output() and "Traceback" not in bad.output()
-    proc = ServerProcess(["--model", str(tiny_dir), "--num-gpu-blocks-override", "64",
+    proc = ServerProcess(["--model", str(tiny_chat_llama), "--num-gpu-blocks-override", "64",
                           "--served-model-name", "t"], tmp_path)
     try:
         proc.wait_healthy()

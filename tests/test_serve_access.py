@@ -17,8 +17,8 @@ KEY = "sk-refserve-test-0123456789"
 
 
 @pytest.fixture(scope="module")
-def keyed(tiny_dir):
-    s = ServerThread(make_engine(tiny_dir), api_key=KEY, docs=False)
+def keyed(tiny_chat_llama):
+    s = ServerThread(make_engine(tiny_chat_llama), api_key=KEY, docs=False)
     yield s
     s.close()
 

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.serving
 LONG, SHORT, DECODE = [10 + i % 300 for i in range(2000)], [5, 6, 7], [8, 9]
 
 
-def test_a_short_request_behind_a_long_prompt_waits_only_for_its_chunks(long_tiny_dir):
-    engine = make_engine(long_tiny_dir, block_size=16, num_gpu_blocks_override=1024)
+def test_a_short_request_behind_a_long_prompt_waits_only_for_its_chunks(long_tiny_chat_llama):
+    engine = make_engine(long_tiny_chat_llama, block_size=16, num_gpu_blocks_override=1024)
     budget = engine.config.max_num_batched_tokens           # the backend's default
     assert budget == DEFAULT_MAX_NUM_BATCHED_TOKENS["numpy"] <= 512
     steps = []       # (start, end, tokens scheduled, request ids with an output)

@@ -206,11 +206,11 @@ def test_tokenizing_and_the_chat_template_run_off_the_event_loop(served):
     assert len(threads) == 2 and all(t.startswith("refserve-tokenize") for t in threads), threads
 
 
-def test_1000_prompts_are_added_at_once_and_all_aborted_when_the_client_leaves(tiny_dir):
+def test_1000_prompts_are_added_at_once_and_all_aborted_when_the_client_leaves(tiny_chat_llama):
     """Engine steps are gated here, so the test counts in steps, not seconds: the 1000
     prompts must be in the engine before its first step (one add for all), and once the
     client has left, every one of them must be aborted within a few steps."""
-    s = ServerThread(make_engine(tiny_dir), max_prompts_per_request=1000)
+    s = ServerThread(make_engine(tiny_chat_llama), max_prompts_per_request=1000)
     gate = threading.Semaphore(0)
     original = s.engine.step
 

@@ -184,20 +184,20 @@ def test_serve_takes_the_model_as_a_positional_argument(capsys):
     assert e.value.code == 2 and "disagree" in capsys.readouterr().err
 
 
-def test_the_token_budget_defaults_to_the_backends(tiny_dir, capsys):
+def test_the_token_budget_defaults_to_the_backends(tiny_chat_llama, capsys):
     assert EngineConfig().max_num_batched_tokens is None
     assert build_parser().parse_args([]).max_num_batched_tokens is None
     assert "numpy 256, cpu 256" in " ".join(build_parser().format_help().split())
     assert DEFAULT_MAX_NUM_BATCHED_TOKENS["numpy"] == DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
-    engine = LLMEngine(model=str(tiny_dir), num_gpu_blocks_override=64, block_size=4)
+    engine = LLMEngine(model=str(tiny_chat_llama), num_gpu_blocks_override=64, block_size=4)
     assert engine.config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
     assert engine.scheduler.max_num_batched_tokens == 256
     assert "token budget 256 per step (the cpu default)" in capsys.readouterr().err
-    engine = LLMEngine(model=str(tiny_dir), backend="numpy", num_gpu_blocks_override=64,
+    engine = LLMEngine(model=str(tiny_chat_llama), backend="numpy", num_gpu_blocks_override=64,
                        block_size=4)
     assert engine.scheduler.max_num_batched_tokens == 256
     assert "token budget 256 per step (the numpy default)" in capsys.readouterr().err
-    engine = make_engine(tiny_dir, max_num_batched_tokens=64)
+    engine = make_engine(tiny_chat_llama, max_num_batched_tokens=64)
     assert engine.scheduler.max_num_batched_tokens == 64
 
 
@@ -265,12 +265,12 @@ def test_bad_vllm_fields_are_400_naming_the_field(served, body, param):
     assert r.json()["error"]["param"] == param, r.text
 
 
-def test_priority_reaches_the_engine_and_is_refused_without_the_priority_policy(tiny_dir,
+def test_priority_reaches_the_engine_and_is_refused_without_the_priority_policy(tiny_chat_llama,
                                                                               served):
     # vLLM's extra field: lower runs first, only under scheduling_policy="priority".
     from serve_utils import ServerThread
 
-    engine = make_engine(tiny_dir, scheduling_policy="priority")
+    engine = make_engine(tiny_chat_llama, scheduling_policy="priority")
     seen = []
     add = engine.add_request
 

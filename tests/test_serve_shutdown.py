@@ -56,8 +56,8 @@ def _ended_by_shutdown(events: list[str]) -> bool:
         "message", "")
 
 
-def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_dir):
-    s = ServerThread(make_engine(tiny_dir))
+def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_chat_llama):
+    s = ServerThread(make_engine(tiny_chat_llama))
     gate = threading.Semaphore(0)
     original = s.engine.step
 
@@ -93,8 +93,8 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_dir):
         s.close()
 
 
-def test_streams_still_open_at_the_timeout_end_with_an_error_event_and_done(long_tiny_dir):
-    s = ServerThread(make_engine(long_tiny_dir, block_size=16))
+def test_streams_still_open_at_the_timeout_end_with_an_error_event_and_done(long_tiny_chat_llama):
+    s = ServerThread(make_engine(long_tiny_chat_llama, block_size=16))
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}
     results, started, threads = _streams(s.url, body, 3)
     try:
@@ -110,8 +110,8 @@ def test_streams_still_open_at_the_timeout_end_with_an_error_event_and_done(long
 
 
 def test_sigterm_with_10_streams_open_ends_each_with_an_error_event_and_exits_0(
-        long_tiny_dir, tmp_path):
-    proc = ServerProcess([str(long_tiny_dir), "--served-model-name", MODEL, "--block-size",
+        long_tiny_chat_llama, tmp_path):
+    proc = ServerProcess([str(long_tiny_chat_llama), "--served-model-name", MODEL, "--block-size",
                           "16", "--shutdown-timeout", "1"], tmp_path)
     try:
         proc.wait_healthy()

@@ -19,18 +19,18 @@ HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: appli
 
 
 @pytest.fixture(scope="module")
-def strict(tiny_dir):
-    s = ServerThread(make_engine(tiny_dir), header_timeout=0.5, body_timeout=0.5,
+def strict(tiny_chat_llama):
+    s = ServerThread(make_engine(tiny_chat_llama), header_timeout=0.5, body_timeout=0.5,
                      keep_alive_timeout=0.5, limit_concurrency=4)
     yield s
     s.close()
 
 
 @pytest.fixture(scope="module")
-def limited(tiny_dir):
+def limited(tiny_chat_llama):
     """Four connections at most, and a head timeout long enough that the idle ones stay
     open however slow the machine is until the test closes them."""
-    s = ServerThread(make_engine(tiny_dir), header_timeout=60, limit_concurrency=4)
+    s = ServerThread(make_engine(tiny_chat_llama), header_timeout=60, limit_concurrency=4)
     yield s
     s.close()
 

@@ -17,7 +17,7 @@ VOCAB = 97
 
 
 def rows_of(out):
-    return (tuple((row.seq.request_id, row.start, row.num_tokens, row.num_logits)
+    return (tuple((row.seq.request_id, row.start, row.num_scheduled_tokens, row.num_logits)
                   for row in out.scheduled),
             tuple(sorted(out.preempted)))
 
@@ -78,7 +78,7 @@ def run_sim(folder, requests, add_before_step, times, outputs, **config):
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_simulated_schedule_equals_the_real_engines(tiny_folder, prefix_caching):
+def test_simulated_schedule_equals_the_real_engines(tiny_llama, prefix_caching):
     rng = np.random.default_rng(7)
     shared = rng.integers(3, VOCAB, 12).tolist()  # a shared prefix: prefix-cache hits
     requests = []
@@ -92,9 +92,9 @@ def test_simulated_schedule_equals_the_real_engines(tiny_folder, prefix_caching)
     config = dict(block_size=4, num_gpu_blocks_override=16, max_num_seqs=4,
                   max_num_batched_tokens=16, max_model_len=64,
                   enable_prefix_caching=prefix_caching)
-    real_steps, times, outputs, added = run_real(tiny_folder, requests, add_before_step,
+    real_steps, times, outputs, added = run_real(tiny_llama, requests, add_before_step,
                                                  **config)
-    sim_steps, result = run_sim(tiny_folder, requests, added, times, outputs, **config)
+    sim_steps, result = run_sim(tiny_llama, requests, added, times, outputs, **config)
 
     assert sim_steps == real_steps
     # The schedule really exercised what it is meant to compare.
@@ -110,7 +110,7 @@ def test_simulated_schedule_equals_the_real_engines(tiny_folder, prefix_caching)
         assert result.summary.prefix_hit_rate and result.summary.prefix_hit_rate > 0
 
 
-def test_a_different_schedule_is_noticed(tiny_folder):
+def test_a_different_schedule_is_noticed(tiny_llama):
     """Negative control: the comparison fails when one knob differs (the recording is not
     trivially equal)."""
     rng = np.random.default_rng(3)
@@ -118,8 +118,8 @@ def test_a_different_schedule_is_noticed(tiny_folder):
     add_before_step = [0] * 6
     config = dict(block_size=4, num_gpu_blocks_override=40, max_num_seqs=4,
                   max_num_batched_tokens=32, max_model_len=64)
-    real_steps, times, outputs, added = run_real(tiny_folder, requests, add_before_step,
+    real_steps, times, outputs, added = run_real(tiny_llama, requests, add_before_step,
                                                  **config)
-    sim_steps, _ = run_sim(tiny_folder, requests, added, times + [1e-3] * 20, outputs,
+    sim_steps, _ = run_sim(tiny_llama, requests, added, times + [1e-3] * 20, outputs,
                            **{**config, "max_num_batched_tokens": 24})
     assert sim_steps != real_steps

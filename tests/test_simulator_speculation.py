@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from refserve.config import EngineConfig
+from refserve.metrics import expected_tokens_per_pass
 from refserve.simulate import main as simulate_main
 from refserve.simulator import SimRequest, SimulatedEngine, load_gpu, load_model, make_workload
 from refserve.simulator.outputs import SimulatedSpeculation, accepted_drafts
-from refserve.spec_decode.metrics import expected_tokens_per_pass
-from refserve.speculation.speculator import Speculator
+from refserve.spec_decode.speculator import Speculator
 
 MODEL = load_model("llama-3-8b")
 GPU = load_gpu("h100-80gb")

@@ -34,9 +34,9 @@ def assert_tiles(spans: list[dict], arrival_us: float, finish_us: float) -> None
     assert {e["name"] for e in spans} <= set(STATES)
 
 
-def test_real_run_with_preemption_tiles_each_request(tiny_folder, tmp_path):
+def test_real_run_with_preemption_tiles_each_request(tiny_llama, tmp_path):
     # 12 blocks of 4 tokens for 4 sequences that grow to 40 tokens each: preemptions.
-    engine = LLMEngine(model=str(tiny_folder), block_size=4, num_gpu_blocks_override=12,
+    engine = LLMEngine(model=str(tiny_llama), block_size=4, num_gpu_blocks_override=12,
                        max_model_len=48, max_num_seqs=4, max_num_batched_tokens=32,
                        progress=False)
     trace = EngineTrace()
@@ -71,9 +71,9 @@ def test_real_run_with_preemption_tiles_each_request(tiny_folder, tmp_path):
     assert {"waiting", "prefill", "decode", "preempted"} <= seen
 
 
-def test_two_engines_share_one_file_and_one_time_axis(tiny_folder, tmp_path):
+def test_two_engines_share_one_file_and_one_time_axis(tiny_llama, tmp_path):
     trace = EngineTrace()
-    engines = [trace.attach(LLMEngine(model=str(tiny_folder), block_size=4, progress=False,
+    engines = [trace.attach(LLMEngine(model=str(tiny_llama), block_size=4, progress=False,
                                       num_gpu_blocks_override=64), label)
                for label in ("a", "b")]
     for engine in engines:
@@ -96,8 +96,8 @@ def test_two_engines_share_one_file_and_one_time_axis(tiny_folder, tmp_path):
     assert second[0]["ts"] >= first[-1]["ts"] + first[-1]["dur"]
 
 
-def test_a_request_added_before_the_trace_starts_when_first_seen(tiny_folder, tmp_path):
-    engine = LLMEngine(model=str(tiny_folder), block_size=4, progress=False,
+def test_a_request_added_before_the_trace_starts_when_first_seen(tiny_llama, tmp_path):
+    engine = LLMEngine(model=str(tiny_llama), block_size=4, progress=False,
                        num_gpu_blocks_override=64)
     engine.add_request("early", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     trace = EngineTrace()
@@ -109,8 +109,8 @@ def test_a_request_added_before_the_trace_starts_when_first_seen(tiny_folder, tm
     assert spans[0]["name"] == "prefill" and spans[-1]["name"] == "decode"
 
 
-def test_an_aborted_request_ends_where_it_was_aborted(tiny_folder, tmp_path):
-    engine = LLMEngine(model=str(tiny_folder), block_size=4, progress=False,
+def test_an_aborted_request_ends_where_it_was_aborted(tiny_llama, tmp_path):
+    engine = LLMEngine(model=str(tiny_llama), block_size=4, progress=False,
                        num_gpu_blocks_override=64)
     trace = EngineTrace()
     trace.attach(engine)
@@ -133,7 +133,7 @@ def test_an_aborted_request_ends_where_it_was_aborted(tiny_folder, tmp_path):
     assert [(m["name"], m["ts"]) for m in marks] == [("aborted", pytest.approx(left_end))]
 
 
-def test_a_simulation_is_drawn_beside_its_real_run(tiny_folder, tmp_path):
+def test_a_simulation_is_drawn_beside_its_real_run(tiny_llama, tmp_path):
     """add_simulation: the simulated requests' t = 0 is the real run's start on the file's
     axis, so a real run and its simulation line up (bench sim-fidelity --trace)."""
     import time
@@ -141,7 +141,7 @@ def test_a_simulation_is_drawn_beside_its_real_run(tiny_folder, tmp_path):
     from refserve.simulator import SimRequest, SimulatedEngine, load_gpu, load_model
 
     trace = EngineTrace()
-    engine = trace.attach(LLMEngine(model=str(tiny_folder), block_size=4, progress=False,
+    engine = trace.attach(LLMEngine(model=str(tiny_llama), block_size=4, progress=False,
                                     num_gpu_blocks_override=64), "real")
     start = time.perf_counter() - 0.5  # the run started 0.5 s ago; its request comes now
     engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True),
@@ -150,7 +150,7 @@ def test_a_simulation_is_drawn_beside_its_real_run(tiny_folder, tmp_path):
     while engine.has_unfinished_requests():
         for o in engine.step():
             out = o
-    sim = SimulatedEngine(load_model(str(tiny_folder)), load_gpu("h100-80gb"),
+    sim = SimulatedEngine(load_model(str(tiny_llama)), load_gpu("h100-80gb"),
                           dtype="float32", block_size=4, num_gpu_blocks_override=64)
     sim.run([SimRequest("x", 0.5, [1, 2, 3], list(out.outputs[0].token_ids))],
             recorder=trace.add_simulation("simulated", start))
@@ -160,12 +160,12 @@ def test_a_simulation_is_drawn_beside_its_real_run(tiny_folder, tmp_path):
     assert real[0]["ts"] == pytest.approx(0.0) and simulated[0]["ts"] == pytest.approx(0.0)
 
 
-def test_generate_trace_flag_writes_the_timeline(tiny_folder, tmp_path, capsys):
+def test_generate_trace_flag_writes_the_timeline(tiny_llama, tmp_path, capsys):
     requests = tmp_path / "requests.jsonl"
     requests.write_text("".join(json.dumps({"prompt_token_ids": [i + 1, i + 2, i + 3]}) + "\n"
                                 for i in range(5)))
     out, path = tmp_path / "out.json", tmp_path / "gen.trace.json"
-    assert generate_main(["--model", str(tiny_folder), "--file", str(requests), "--quiet",
+    assert generate_main(["--model", str(tiny_llama), "--file", str(requests), "--quiet",
                           "--max-tokens", "6", "--ignore-eos", "--max-num-seqs", "2",
                           "--json", str(out), "--trace", str(path)]) == 0
     records = json.loads(out.read_text())["outputs"]
@@ -180,9 +180,9 @@ def test_generate_trace_flag_writes_the_timeline(tiny_folder, tmp_path, capsys):
     assert any(s[0]["name"] == "waiting" for s in spans.values())
 
 
-def test_trace_path_is_checked_before_the_model_loads(tiny_folder, tmp_path, capsys):
+def test_trace_path_is_checked_before_the_model_loads(tiny_llama, tmp_path, capsys):
     bad = tmp_path / "missing" / "t.json"
-    assert generate_main(["--model", str(tiny_folder), "--trace", str(bad), "hi"]) == 2
+    assert generate_main(["--model", str(tiny_llama), "--trace", str(bad), "hi"]) == 2
     err = capsys.readouterr().err
     assert "--trace" in err and "does not exist" in err and "refserve:" not in err
 
@@ -196,11 +196,11 @@ def test_bench_trace_flag_is_checked_first(capsys):
 
 
 @pytest.mark.slow
-def test_serve_trace_is_written_on_shutdown(tiny_dir, tmp_path):
+def test_serve_trace_is_written_on_shutdown(tiny_chat_llama, tmp_path):
     from serve_utils import ServerProcess
 
     path = tmp_path / "serve.trace.json"
-    proc = ServerProcess([str(tiny_dir), "--served-model-name", "tiny", "--block-size", "4",
+    proc = ServerProcess([str(tiny_chat_llama), "--served-model-name", "tiny", "--block-size", "4",
                           "--trace", str(path)], tmp_path)
     try:
         proc.wait_healthy()

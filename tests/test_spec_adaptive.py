@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from refserve.metrics import expected_tokens_per_pass
 from refserve.spec_decode import adaptive
 from refserve.spec_decode.adaptive import (
     FLAT,
@@ -11,7 +12,6 @@ from refserve.spec_decode.adaptive import (
     best_num_drafts,
     measure_pass_cost,
 )
-from refserve.spec_decode.metrics import expected_tokens_per_pass
 
 # A pass cost shaped like the measured ones: flat-ish to 8 rows, then growing with rows.
 CPU_LIKE = PassCost((1, 2, 5, 8, 16, 40), (1.0, 1.2, 1.6, 1.8, 2.6, 5.0))
@@ -63,7 +63,7 @@ def test_the_batch_changes_the_rule():
 
 
 class FakeModel:
-    """A target whose `dense_seconds` answers like speculation/cost_probe.dense_seconds
+    """A target whose `dense_seconds` answers like spec_decode/cost_probe.dense_seconds
     ({rows: one float per repeat}; None on a device)."""
 
     def __init__(self, seconds_of_rows, device=False):
@@ -93,29 +93,29 @@ def test_calibration_measures_the_rows_up_to_the_budget_and_is_monotone():
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_measure_pass_cost_on_a_tiny_real_model(tiny_folder, backend):
+def test_measure_pass_cost_on_a_tiny_real_model(tiny_llama, backend):
     from refserve.backends import get_backend
     from refserve.models.loader import load_model
-    from refserve.speculation.cost_probe import dense_seconds
+    from refserve.spec_decode.cost_probe import dense_seconds
 
-    model = load_model(tiny_folder, get_backend(backend))
+    model = load_model(tiny_llama, get_backend(backend))
     cost = measure_pass_cost(lambda rows, repeats: dense_seconds(model, rows, repeats),
                              max_rows=8)
     assert cost.rows == (1, 2, 3, 5, 8)
     assert all(s > 0 for s in cost.seconds) and np.all(np.diff(cost.seconds) >= 0)
 
 
-def test_cost_probes_time_what_they_say(tiny_folder):
-    """speculation/cost_probe.py on a tiny model: the dense products of a forward (4 per
+def test_cost_probes_time_what_they_say(tiny_llama):
+    """spec_decode/cost_probe.py on a tiny model: the dense products of a forward (4 per
     layer and the lm_head) at each row count, whole forwards, and a copy on another backend
     that computes the same logits."""
     from model_utils import max_rel_err, prefill_logits
 
     from refserve.backends import CpuBackend, NumpyBackend
     from refserve.models.loader import load_model
-    from refserve.speculation import cost_probe
+    from refserve.spec_decode import cost_probe
 
-    model = load_model(tiny_folder, NumpyBackend())
+    model = load_model(tiny_llama, NumpyBackend())
     dense = cost_probe.dense_seconds(model, [1, 3], repeats=2)
     assert set(dense) == {1, 3} and all(len(t) == 2 and min(t) > 0 for t in dense.values())
     assert len(cost_probe.dense_weights(model)) == 4 * model.config.num_hidden_layers + 1

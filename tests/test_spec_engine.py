@@ -12,8 +12,8 @@ from refserve.capacity import blocks_for_tokens
 from refserve.config import EngineConfig
 from refserve.engine import EngineStepError, LLMEngine
 from refserve.scheduler import Proposal
-from refserve.speculation.proposer import Proposer
-from refserve.speculation.registry import resolve as resolve_proposer
+from refserve.spec_decode.proposer import Proposer
+from refserve.spec_decode.registry import resolve as resolve_proposer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8],
@@ -98,7 +98,7 @@ def test_a_new_proposer_is_one_class_and_one_registry_entry(tiny, monkeypatch):
     """The engine and the simulator name no method: a proposer registered under a new name
     (here a repeat-the-last-token proposer with one option) serves both."""
     from refserve.simulator import SimulatedEngine, load_gpu, load_model
-    from refserve.speculation import registry
+    from refserve.spec_decode import registry
 
     class RepeatLast(Proposer):
         method = "repeat_last"

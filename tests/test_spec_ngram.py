@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refserve.speculation.ngram import propose
+from refserve.spec_decode.ngram import propose
 
 
 def brute_force(tokens, k, min_n, max_n):

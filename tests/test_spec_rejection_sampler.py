@@ -9,13 +9,14 @@ from hypothesis import strategies as st
 
 from refserve.backends.base import Backend
 from refserve.backends.numpy_backend import NumpyBackend
+from refserve.sampling_params import SamplingParams
 from refserve.spec_decode.rejection_sampler import (
     acceptance_probability,
     inverse_cdf_draw,
     rejection_sample,
     residual_distribution,
 )
-from refserve.spec_decode.warping import warp_probs
+from refserve.spec_decode.warping import warp
 
 # ---------------------------------------------------------------- strategies
 
@@ -177,9 +178,8 @@ def test_greedy_is_exact_match_against_the_target_argmax():
     drafts[0, 0] = (argmax[0, 0] + 1) % vocab  # mismatch at 0
     drafts[1, 2] = (argmax[1, 2] + 1) % vocab  # mismatch at 2
     drafts[3, 1:] = -1  # one draft, matching
-    zeros = np.zeros(4)
-    p = warp_probs(target_logits.reshape(-1, vocab), zeros.repeat(k + 1), -1, 1.0)
-    p = p.reshape(4, k + 1, vocab)
+    greedy = [SamplingParams(temperature=0.0)] * (4 * (k + 1))
+    p = warp(target_logits.reshape(-1, vocab), greedy, NumpyBackend()).reshape(4, k + 1, vocab)
     q = _onehot(np.maximum(drafts, 0), vocab)  # a greedy draft's warped q
     expected = np.array([
         [argmax[0, 0], -1, -1, -1],

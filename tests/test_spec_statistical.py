@@ -7,20 +7,44 @@ Everything runs as one vectorized batch of N sequences per case, with a fixed se
 """
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
+from refserve.backends import NumpyBackend
+from refserve.metrics import expected_tokens_per_pass, spec_mean_accepted_length
+from refserve.sampling_params import SamplingParams
 from refserve.spec_decode import rejection_sampler
-from refserve.spec_decode.metrics import SpecDecodeStats, expected_tokens_per_pass
 from refserve.spec_decode.rejection_sampler import inverse_cdf_draw, rejection_sample
-from refserve.spec_decode.warping import warp_probs
+from refserve.spec_decode.warping import warp
 
 SIGNIFICANCE = 1e-3
 NUM_SEQUENCES = 100_000
 VOCAB = 6
 LENGTH = 3  # generated tokens per sequence
 PROMPT = (2, 5)
+
+
+@dataclass
+class VerifyCounts:
+    """Over many verify steps: the steps with drafts, the drafts accepted, and the
+    rejections (one failed test each). α is estimated from the tests actually run: every
+    accepted draft is one passed test, every rejection one failed test."""
+
+    steps: int = 0
+    accepted: int = 0
+    rejections: int = 0
+
+    def add(self, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
+        speculated = num_draft > 0
+        self.steps += int(speculated.sum())
+        self.accepted += int(num_accepted[speculated].sum())
+        self.rejections += int((num_accepted < num_draft).sum())
+
+    @property
+    def alpha_estimate(self) -> float:
+        return self.accepted / (self.accepted + self.rejections)
 
 
 # ------------------------------------------------------------ chi-square test
@@ -101,10 +125,12 @@ DRAFT_LOGITS = TARGET_LOGITS.mean(axis=0) + 1.0 * _rng.normal(size=(VOCAB, VOCAB
 def warped_tables(temperature, top_k, top_p, draft_temperature=None):
     """p[a, b] = warped target distribution after context (.., a, b); q[b] = warped draft
     after (.., b). `draft_temperature` overrides q's temperature (a negative control)."""
-    p = warp_probs(TARGET_LOGITS.reshape(-1, VOCAB), temperature, top_k, top_p)
     t_q = temperature if draft_temperature is None else draft_temperature
-    q = warp_probs(DRAFT_LOGITS, t_q, top_k, top_p)
-    return p.reshape(VOCAB, VOCAB, VOCAB), q
+    target = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    draft = SamplingParams(temperature=t_q, top_k=top_k, top_p=top_p)
+    p = warp(TARGET_LOGITS.reshape(-1, VOCAB), [target] * VOCAB * VOCAB, NumpyBackend())
+    q = warp(DRAFT_LOGITS, [draft] * VOCAB, NumpyBackend())
+    return p.reshape(VOCAB, VOCAB, VOCAB).astype(np.float64), q.astype(np.float64)
 
 
 def target_sequence_distribution(p_table):
@@ -128,7 +154,7 @@ def generate(k, p_table, q_table, q_verify_table, rng, sample=rejection_sample):
     tokens = np.zeros((n, len(PROMPT) + LENGTH), dtype=np.int64)
     tokens[:, : len(PROMPT)] = PROMPT
     generated = np.zeros(n, dtype=np.int64)
-    stats = SpecDecodeStats()
+    stats = VerifyCounts()
     while (generated < LENGTH).any():
         rows = np.flatnonzero(generated < LENGTH)
         m = len(rows)
@@ -260,9 +286,10 @@ def test_tokens_per_pass_match_the_formula(alpha, k):
     half_width = 4.5 * emitted.std() / math.sqrt(n)
     assert abs(emitted.mean() - expected) < half_width, (emitted.mean(), expected)
 
-    stats = SpecDecodeStats()
+    stats = VerifyCounts()
     stats.add(np.full(n, k), num_accepted)
-    assert stats.mean_accepted_length == pytest.approx(emitted.mean(), rel=1e-12)
+    assert spec_mean_accepted_length(stats.steps, stats.accepted) == pytest.approx(
+        emitted.mean(), rel=1e-12)
     # α recovered from the tests actually run (binomial standard error).
     tests = stats.accepted + stats.rejections
     assert abs(stats.alpha_estimate - alpha) < 4.5 * math.sqrt(alpha * (1 - alpha) / tests)

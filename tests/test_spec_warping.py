@@ -1,15 +1,19 @@
-"""Warping p and q (temperature, top-k, top-p) and the acceptance metrics."""
-
-from types import SimpleNamespace
+"""Warping p and q: the distribution a verify row tests is the one a plain row samples from,
+on every CPU backend, ties and near-ties included; and the expected tokens per target pass."""
 
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from refserve.spec_decode import warping
-from refserve.spec_decode.metrics import SpecDecodeStats, expected_tokens_per_pass
-from refserve.spec_decode.warping import warp_probs, warp_target_and_draft
+from refserve.backends import CpuBackend, NumpyBackend
+from refserve.metrics import expected_tokens_per_pass
+from refserve.sampling import Sampler, SamplingParams
+from refserve.spec_decode.verify import verify
+from refserve.spec_decode.warping import warp
+
+BACKENDS = {"numpy": NumpyBackend(), "cpu": CpuBackend()}
+each_backend = pytest.mark.parametrize("backend", list(BACKENDS))
 
 
 def reference_row(logits, temperature, top_k, top_p, min_p=0.0):
@@ -27,8 +31,9 @@ def reference_row(logits, temperature, top_k, top_p, min_p=0.0):
         keep &= x >= sorted(x, reverse=True)[top_k - 1]
     p = np.where(keep, p, 0.0) / p[keep].sum()
     if top_p < 1.0:
-        # Keep t iff the tokens strictly more likely than t hold less than top_p.
-        p = np.array([pt if pt > 0 and p[p > pt].sum() < top_p else 0.0 for pt in p])
+        # Keep t iff the kept tokens with a larger logit than t hold less than top_p.
+        p = np.array([pt if pt > 0 and p[x > xt].sum() < top_p else 0.0
+                      for pt, xt in zip(p, x)])
         p /= p.sum()
     return p
 
@@ -54,7 +59,8 @@ def with_key_rows(test):
     return test
 
 
-@settings(max_examples=200, deadline=None)
+@each_backend
+@settings(max_examples=100, deadline=None)
 @with_key_rows
 @given(
     rows=st.lists(
@@ -69,75 +75,102 @@ def with_key_rows(test):
         min_size=1, max_size=6,
     )
 )
-def test_batched_warp_equals_the_rule_row_by_row(rows):
+def test_warp_equals_the_rule_row_by_row(backend, rows):
     """Ties in the logits (the repeated 0.0) exercise top-k's 'ties are kept' and top-p's
-    stable order; float32 output within float32 rounding of the float64 rule."""
+    tie groups; float32 output within float32 rounding of the float64 rule."""
     logits = np.array([r[0] for r in rows], dtype=np.float32)
-    temperature = np.array([r[1] for r in rows])
-    top_k = np.array([r[2] for r in rows])
-    top_p = np.array([r[3] for r in rows])
-    min_p = np.array([r[4] for r in rows])
-    # Top-p sorts only the most likely candidates first: 2 of 5 exercises both that path
-    # and the fall-back to the whole row.
-    for candidates in (2, warping._NUCLEUS_CANDIDATES):
-        saved, warping._NUCLEUS_CANDIDATES = warping._NUCLEUS_CANDIDATES, candidates
-        try:
-            probs = warp_probs(logits, temperature, top_k, top_p, min_p)
-        finally:
-            warping._NUCLEUS_CANDIDATES = saved
-        assert probs.dtype == np.float32
-        for i, (row_logits, t, k, p, m) in enumerate(rows):
-            expected = reference_row(np.float32(row_logits), t, k, p, m)
-            np.testing.assert_allclose(probs[i], expected, atol=2e-6)
-            assert ((probs[i] == 0) == (expected == 0)).all(), "support differs"
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+              for _, t, k, p, m in rows]
+    probs = warp(logits, params, BACKENDS[backend])
+    assert probs.dtype == np.float32
+    for i, (row_logits, t, k, p, m) in enumerate(rows):
+        expected = reference_row(np.float32(row_logits), t, k, p, m)
+        np.testing.assert_allclose(probs[i], expected, atol=2e-6)
+        assert ((probs[i] == 0) == (expected == 0)).all(), "support differs"
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [dict(temperature=0.7), dict(temperature=1.3, top_k=3), dict(temperature=0.9, top_p=0.6),
-     dict(temperature=1.0, min_p=0.3, top_p=0.8), dict(temperature=0.0), dict(temperature=1e-6)],
-)
-def test_warp_is_the_distribution_the_sampler_draws_from(settings):
-    """Speculation must keep the distribution of ordinary sampling, so its p is exactly the
-    one the Sampler draws from (greedy: its argmax; else the reference draw's weights,
-    NumpyBackend.sample): same rule, ties included (the logits repeat values)."""
-    from refserve.backends.numpy_backend import sampling_weights
-    from refserve.sampling import SamplingParams, draw_arguments, make_generator
-
-    rng = np.random.default_rng(4)
-    logits = rng.integers(-8, 8, size=(6, 40)).astype(np.float32) / 2
-    params = SamplingParams(**settings)
-    ours = warp_target_and_draft(logits[None], None, [params])[0][0]
-    if params.greedy:
-        weights = np.eye(logits.shape[1])[np.argmax(logits, axis=-1)]
-    else:
-        args = draw_arguments([params] * len(logits), [make_generator(0)] * len(logits))
-        del args["uniforms"]
-        weights = sampling_weights(np, logits, **args).astype(np.float64)
-    for probs, w in zip(ours, weights / weights.sum(axis=-1, keepdims=True)):
-        np.testing.assert_allclose(probs, w, atol=2e-6)
-        assert ((probs == 0) == (w == 0)).all()
+# ---- one request, sampled plainly and through a verify row ------------------------------
 
 
-def test_p_and_q_are_warped_with_the_same_request_settings():
-    rng = np.random.default_rng(0)
-    target_logits = rng.normal(size=(2, 3, 7)).astype(np.float32)
-    draft_logits = rng.normal(size=(2, 2, 7)).astype(np.float32)
-    # Only these three fields of SamplingParams are read (sampling.py is independent).
-    params = [SimpleNamespace(temperature=0.5, top_k=3, top_p=1.0),
-              SimpleNamespace(temperature=0.0, top_k=-1, top_p=1.0)]
-    p, q = warp_target_and_draft(target_logits, draft_logits, params)
-    assert p.shape == (2, 3, 7) and q.shape == (2, 2, 7)
-    for logits, probs in ((target_logits, p), (draft_logits, q)):
-        for pos in range(logits.shape[1]):
-            np.testing.assert_allclose(probs[0, pos], reference_row(logits[0, pos], 0.5, 3, 1.0),
-                                       atol=2e-6)
-            np.testing.assert_array_equal(probs[1, pos], reference_row(logits[1, pos], 0, -1, 1))
-    p_only, q_none = warp_target_and_draft(target_logits, None, params)
-    assert q_none is None
-    np.testing.assert_array_equal(p_only, p)
+class Uniforms:
+    """A stand-in generator that hands out the given uniforms in order."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def random(self, n: int | None = None):
+        if n is None:
+            return self.values.pop(0)
+        drawn, self.values = self.values[:n], self.values[n:]
+        return np.array(drawn)
+
+
+GRID = (np.arange(64) + 0.5) / 64    # quantiles: a draw over them is the distribution
+
+
+def plain_distribution(backend, logits, params) -> np.ndarray:
+    """How often the Sampler draws each token of `logits` [V] over the uniform GRID."""
+    rows = np.repeat(np.asarray(logits, np.float32)[None], len(GRID), axis=0)
+    tokens = Sampler(backend).sample(rows, [params] * len(GRID), [Uniforms(u) for u in GRID])
+    return np.bincount(tokens, minlength=len(logits)) / len(GRID)
+
+
+def verify_distribution(backend, logits, params, draft: int) -> np.ndarray:
+    """How often a verify row of one n-gram draft emits each token first, over the GRID of
+    accept uniforms x the GRID of draw uniforms: the emission distribution of the accept /
+    residual step, which is the row's p (rejection_sampler.py's proof)."""
+    row = np.repeat(np.asarray(logits, np.float32)[None], 2, axis=0)   # the draft + bonus
+    pairs = [(a, d) for a in GRID for d in GRID]
+    emitted, _ = verify([row] * len(pairs), [[draft]] * len(pairs), [None] * len(pairs),
+                        [params] * len(pairs), [Uniforms(a, d) for a, d in pairs], backend)
+    return np.bincount([t[0] for t in emitted], minlength=len(logits)) / len(pairs)
+
+
+# (logits, params, the kept set's probabilities). Exact ties: two equal logits are kept or
+# dropped together. The near-tie is sampling.py's example: logits 5e-42 and 0 have the same
+# float32 probability, yet the nucleus ranks them by logit and keeps the first alone; a p
+# judged on rounded probabilities keeps both, [0.5, 0.5, 0].
+TIES = [
+    ([0.0, 0.0, -1.0], SamplingParams(top_p=0.4), [0.5, 0.5, 0.0]),
+    ([-1.0, 0.0, 0.0], SamplingParams(top_p=0.4), [0.0, 0.5, 0.5]),
+    ([5e-42, 0.0, -50.0], SamplingParams(top_p=0.5), [1.0, 0.0, 0.0]),
+    ([0.0, 5e-42, -50.0], SamplingParams(top_p=0.5), [0.0, 1.0, 0.0]),
+    ([1.0, 1.0, 1.0, 0.0], SamplingParams(top_k=1), [1 / 3, 1 / 3, 1 / 3, 0.0]),
+    ([5e-42, 0.0, 0.0, -2.0], SamplingParams(top_p=0.3, temperature=0.7), [1, 0, 0, 0]),
+]
+
+
+@each_backend
+@pytest.mark.parametrize("logits,params,kept", TIES)
+def test_a_verify_row_keeps_the_plain_rows_nucleus(backend, logits, params, kept):
+    """The same request, sampled plainly and through a verify row (a draft inside the kept
+    set and one outside it), keeps the same tokens with the same probabilities."""
+    be = BACKENDS[backend]
+    plain = plain_distribution(be, logits, params)
+    np.testing.assert_allclose(plain, kept, atol=1 / len(GRID))
+    assert ((plain > 0) == (np.array(kept) > 0)).all()
+    np.testing.assert_allclose(warp(np.array([logits]), [params], be)[0], kept, atol=1e-6)
+    inside, outside = int(np.argmax(kept)), int(np.argmin(kept))
+    for draft in (inside, outside):
+        through_verify = verify_distribution(be, logits, params, draft)
+        np.testing.assert_allclose(through_verify, plain, atol=2 / len(GRID))
+        assert ((through_verify > 0) == (plain > 0)).all(), f"draft {draft}: kept sets differ"
+
+
+def test_the_negative_control_tells_the_two_near_tie_rules_apart():
+    """The check above can fail: a p judged on rounded probabilities (both tokens kept)
+    differs from the plain row's nucleus on the near-tie."""
+    logits = np.array([5e-42, 0.0, -50.0], np.float32)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    by_probability = [pt if p[p > pt].sum() < 0.5 else 0.0 for pt in p]
+    plain = plain_distribution(NumpyBackend(), logits, SamplingParams(top_p=0.5))
+    assert by_probability[1] > 0 and plain[1] == 0
+
+
+def test_warp_needs_one_params_per_row():
     with pytest.raises(ValueError, match="one SamplingParams per row"):
-        warp_target_and_draft(target_logits, draft_logits, params[:1])
+        warp(np.zeros((2, 3), np.float32), [SamplingParams()], NumpyBackend())
 
 
 def test_expected_tokens_per_pass():
@@ -146,16 +179,3 @@ def test_expected_tokens_per_pass():
     assert expected_tokens_per_pass(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
     with pytest.raises(ValueError, match="alpha"):
         expected_tokens_per_pass(1.5, 2)
-
-
-def test_stats_counts():
-    stats = SpecDecodeStats()
-    assert stats.acceptance_rate is None and stats.mean_accepted_length is None
-    # Three verify steps (k = 4, 4, 2) and one plain decode (no drafts, not counted).
-    stats.add(np.array([4, 4, 2, 0]), np.array([4, 1, 0, 0]))
-    assert (stats.verify_steps, stats.proposed, stats.accepted, stats.rejections) == (3, 10, 5, 2)
-    assert stats.acceptance_rate == 0.5
-    assert stats.mean_accepted_length == pytest.approx(8 / 3)  # (5 accepted + 3) / 3 passes
-    assert stats.alpha_estimate == pytest.approx(5 / 7)  # 5 passed tests, 2 failed
-    with pytest.raises(ValueError, match="num_accepted"):
-        stats.add(np.array([1]), np.array([2]))

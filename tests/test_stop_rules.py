@@ -22,7 +22,7 @@ from refserve.sequence import (
     append_tokens,
     find_stop_string,
 )
-from refserve.speculation.proposer import Proposer
+from refserve.spec_decode.proposer import Proposer
 
 STOPPED, LENGTH = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
 EOS = 25  # "Z" in the letter tokenizer's alphabet, but a special token: decodes to nothing
@@ -274,8 +274,8 @@ def test_no_drafts_are_proposed_before_min_tokens(tiny, plain_tokens):
 # ---- the text the stop strings read ----------------------------------------------------
 
 
-def test_stop_string_completed_by_the_last_token(tiny_folder):
-    llm = LLM(model=str(tiny_folder), progress=False, block_size=4,
+def test_stop_string_completed_by_the_last_token(tiny_llama):
+    llm = LLM(model=str(tiny_llama), progress=False, block_size=4,
               num_gpu_blocks_override=256)
     llm.llm_engine.tokenizer = LetterTokenizer()
     for seed in range(50):  # a seeded run whose last two letters occur only at the end

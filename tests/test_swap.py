@@ -591,8 +591,8 @@ def prompts():
     return [stem + rng.integers(3, 97, size=int(n)).tolist() for n in (2, 5, 9, 3, 7)]
 
 
-def generate(tiny_folder, spy=None, **kw):
-    llm = LLM(model=str(tiny_folder), progress=False, block_size=4, max_model_len=48,
+def generate(tiny_llama, spy=None, **kw):
+    llm = LLM(model=str(tiny_llama), progress=False, block_size=4, max_model_len=48,
               num_gpu_blocks_override=16, max_num_seqs=4, **kw)
     if spy is not None:
         spy(llm.llm_engine)
@@ -601,7 +601,7 @@ def generate(tiny_folder, spy=None, **kw):
     return [o.outputs[0].token_ids for o in outs], llm.llm_engine.stats()
 
 
-def test_swapped_in_kv_equals_what_was_swapped_out(tiny_folder):
+def test_swapped_in_kv_equals_what_was_swapped_out(tiny_llama):
     """Every swap-out records the device blocks' K and V (all layers) by host block; every
     swap-in must put exactly those arrays into the new device blocks."""
     saved, checked = {}, []
@@ -621,16 +621,16 @@ def test_swapped_in_kv_equals_what_was_swapped_out(tiny_folder):
 
         runner.copy_blocks = copy_blocks
 
-    _, stats = generate(tiny_folder, spy, preemption_mode="swap", swap_space=0.01)
+    _, stats = generate(tiny_llama, spy, preemption_mode="swap", swap_space=0.01)
     assert stats["swap_outs"] > 0 and stats["swap_ins"] == stats["swap_outs"]
     assert checked, "no block was swapped back in"
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_min": 1}])
-def test_greedy_output_is_the_same_recompute_or_swap(tiny_folder, spec):
-    recompute, r_stats = generate(tiny_folder, speculative_config=spec)
-    swap, s_stats = generate(tiny_folder, speculative_config=spec, preemption_mode="swap",
+def test_greedy_output_is_the_same_recompute_or_swap(tiny_llama, spec):
+    recompute, r_stats = generate(tiny_llama, speculative_config=spec)
+    swap, s_stats = generate(tiny_llama, speculative_config=spec, preemption_mode="swap",
                              swap_space=0.01)
     assert recompute == swap
     assert r_stats["num_preemptions"] > 0 and r_stats["recomputed_tokens"] > 0
@@ -639,26 +639,26 @@ def test_greedy_output_is_the_same_recompute_or_swap(tiny_folder, spec):
     assert s_stats["recomputed_tokens"] == 0 and s_stats["swap_bytes"] > 0
 
 
-def test_a_full_host_pool_falls_back_to_recompute(tiny_folder):
-    recompute, _ = generate(tiny_folder)
-    swap, stats = generate(tiny_folder, preemption_mode="swap", swap_space=0)
+def test_a_full_host_pool_falls_back_to_recompute(tiny_llama):
+    recompute, _ = generate(tiny_llama)
+    swap, stats = generate(tiny_llama, preemption_mode="swap", swap_space=0)
     assert recompute == swap
     assert stats["swap_outs"] == 0 and stats["swap_fallbacks_to_recompute"] > 0
     assert stats["recomputed_tokens"] > 0
 
 
-def test_swap_knobs_are_checked(tiny_folder):
+def test_swap_knobs_are_checked(tiny_llama):
     with pytest.raises(ValueError, match="preemption_mode='evict'"):
-        LLM(model=str(tiny_folder), progress=False, preemption_mode="evict")
+        LLM(model=str(tiny_llama), progress=False, preemption_mode="evict")
     with pytest.raises(ValueError, match="swap_space=-1"):
-        LLM(model=str(tiny_folder), progress=False, swap_space=-1)
+        LLM(model=str(tiny_llama), progress=False, swap_space=-1)
     with pytest.raises(ValueError, match="draft model"):
-        LLM(model=str(tiny_folder), progress=False, preemption_mode="swap",
+        LLM(model=str(tiny_llama), progress=False, preemption_mode="swap",
             speculative_config={"method": "draft_model", "model": "self",
                                 "num_speculative_tokens": 2, "num_draft_layers": 1})
     # static batching has no swap: refused, not silently run by recompute
     with pytest.raises(ValueError, match="preemption_mode='swap' needs batching='continuous'"):
-        LLM(model=str(tiny_folder), progress=False, preemption_mode="swap", batching="static")
+        LLM(model=str(tiny_llama), progress=False, preemption_mode="swap", batching="static")
 
 
 def test_a_step_never_applied_carries_its_swap_copies():

@@ -29,9 +29,9 @@ KINDS = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dir):
-    return LLM(model=str(tiny_dir), block_size=4, num_gpu_blocks_override=256, progress=False,
-               disable_log_stats=False)
+def llm(tiny_chat_llama):
+    return LLM(model=str(tiny_chat_llama), block_size=4, num_gpu_blocks_override=256,
+               progress=False, disable_log_stats=False)
 
 
 def _greedy(**kw) -> SamplingParams:
@@ -102,9 +102,9 @@ def test_get_metrics_counts_what_generate_did(llm):
         assert list(h.buckets)[-1] == "+Inf"
 
 
-def test_get_metrics_is_there_without_disable_log_stats(tiny_dir):
+def test_get_metrics_is_there_without_disable_log_stats(tiny_chat_llama):
     """vLLM asserts stat logging is on; refserve's counters are always kept."""
-    llm = LLM(model=str(tiny_dir), block_size=4, num_gpu_blocks_override=64, progress=False)
+    llm = LLM(model=str(tiny_chat_llama), block_size=4, num_gpu_blocks_override=64, progress=False)
     llm.generate([[5, 6, 7]], _greedy(max_tokens=2), use_tqdm=False)
     tokens = [m for m in llm.get_metrics() if m.name == "vllm:generation_tokens"]
     assert [m.value for m in tokens] == [2]
@@ -144,8 +144,8 @@ def test_vllm_refuses_whole_vocabulary_logprobs_at_its_default_cap():
     assert not edge["accepted"] and "max allowed: 20" in edge["error"]
 
 
-def test_max_logprobs_follows_vllms_rule(tiny_dir):
-    kw = dict(model=str(tiny_dir), block_size=4, num_gpu_blocks_override=64, progress=False)
+def test_max_logprobs_follows_vllms_rule(tiny_chat_llama):
+    kw = dict(model=str(tiny_chat_llama), block_size=4, num_gpu_blocks_override=64, progress=False)
     capped = LLM(max_logprobs=5, **kw)
     for params in (_greedy(max_tokens=1, logprobs=-1), _greedy(max_tokens=1, logprobs=6),
                    _greedy(max_tokens=1, prompt_logprobs=-1)):

@@ -68,8 +68,8 @@ def test_bad_words_change_the_output_exactly_where_the_word_would_complete(offli
         assert got[j:j + 2] != plain[i:i + 2]
 
 
-def test_bad_words_need_a_tokenizer(tiny_folder):
-    llm = LLM(model=str(tiny_folder), block_size=4, num_gpu_blocks_override=64, progress=False)
+def test_bad_words_need_a_tokenizer(tiny_llama):
+    llm = LLM(model=str(tiny_llama), block_size=4, num_gpu_blocks_override=64, progress=False)
     with pytest.raises(ValueError, match=r"^prompt 0: SamplingParams\.bad_words=.*no tokenizer"):
         llm.generate([[5, 6, 7]], SamplingParams(bad_words=["x"]))
 
@@ -138,9 +138,9 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(offline):
             assert full[t].logprob == lp.logprob and full[t].rank == lp.rank
 
 
-def test_rows_that_rewrite_logits_do_not_speculate(tiny_dir):
+def test_rows_that_rewrite_logits_do_not_speculate(tiny_chat_llama):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    kw = dict(model=str(tiny_dir), block_size=4, num_gpu_blocks_override=256, progress=False)
+    kw = dict(model=str(tiny_chat_llama), block_size=4, num_gpu_blocks_override=256, progress=False)
     plain, spec_llm = LLM(**kw), LLM(speculative_config=spec, **kw)
     for extra in ({"logit_bias": {40: 3.0}}, {"allowed_token_ids": list(range(30, 90))},
                   {"bad_words": ["pool"]}):

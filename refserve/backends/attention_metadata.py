@@ -34,7 +34,7 @@ index out of bounds (CUDA) or be caught by a range check, instead of silently re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,15 +50,12 @@ class AttentionMetadata:
     query_start_loc: Array
     context_lens: Array
     block_tables: Array
+    num_seqs: int
     num_decodes: int
     max_decode_context_len: int
     query_start_loc_cpu: np.ndarray
     context_lens_cpu: np.ndarray
     block_tables_cpu: np.ndarray
-    num_seqs: int
-    # Values a backend derives from this metadata (masks, gather plans), filled on first use
-    # by the first layer and reused by the others. Private to the backend that fills it.
-    backend_cache: dict = field(default_factory=dict, repr=False)
 
 
 def checked_layout(slot_mapping, query_start_loc, context_lens, block_tables):

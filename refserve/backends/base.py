@@ -4,6 +4,7 @@ The model's elementwise math (RMSNorm, RoPE, SiLU, residual adds) is written onc
 `backend.xp` (numpy or cupy). The ops below live behind this interface, because they are the
 ones a faster backend replaces (with kernels on a GPU, with tuned forms on a CPU):
 
+    forward          one model forward over a prepared step                (eager, or a graph)
     prepare_weight   a weight W [out, in] in the form `linear` takes       (once, at load)
     linear           x · Wᵀ: every dense product of the model              (a matmul)
     write_kv         scatter this step's K/V into their slots              (one scatter)
@@ -11,7 +12,8 @@ ones a faster backend replaces (with kernels on a GPU, with tuned forms on a CPU
     copy_blocks      copy whole blocks, for copy-on-write                  (block copy)
     swap_out         device blocks -> host blocks, swap preemption         (DMA to host)
     swap_in          host blocks -> device blocks, resuming it             (DMA to device)
-    sample           one token per logits row: temperature, top-k/p, min-p (sort + draw)
+    sampling_weights the nucleus: temperature, min-p, top-k, top-p per row  (sort + mask)
+    sample           one token per logits row: the inverse CDF of those weights (a draw)
     rejection_sample the accept / residual step of speculative decoding    (per row)
 
 Randomness enters every op as explicit uniforms, so two backends fed the same arrays can be
@@ -135,6 +137,17 @@ class Backend(abc.ABC):
             (self.xp.zeros(shape, dtype=dtype), self.xp.zeros(shape, dtype=dtype))
             for _ in range(num_layers)
         ]
+
+    # ------------------------------------------------------------ the model
+
+    @abc.abstractmethod
+    def forward(self, model, inputs, kv_caches: list[tuple[Array, Array]]) -> Array:
+        """One forward of `model` over a prepared step: `inputs` is ModelRunner.prepare's
+        ModelInputs (host arrays, and `inputs.attn` with the device copies of the attention
+        arrays). Returns the model's logits [inputs.num_logits, V] float32 on the device.
+        How the forward runs is the backend's choice: the CPU backends call model.forward
+        on the host arrays; the CuPy backend copies the inputs to the device, and replays a
+        CUDA graph of a whole decode step where it can (cuda_graphs.py)."""
 
     # ------------------------------------------------------------ dense products
 
@@ -290,33 +303,41 @@ class Backend(abc.ABC):
     # ---------------------------------------------------------------- sampling
 
     @abc.abstractmethod
-    def sample(self, logits: Array, temperature: np.ndarray, top_k: np.ndarray,
-               top_p: np.ndarray, min_p: np.ndarray, uniforms: np.ndarray) -> Array:
-        """One token id per row of logits, each row with its own settings and uniform.
+    def sampling_weights(self, logits: Array, temperature: np.ndarray, top_k: np.ndarray,
+                         top_p: np.ndarray, min_p: np.ndarray) -> Array:
+        """THE NUCLEUS of refserve/sampling.py's docstring, row by row: the unnormalised
+        distribution a token is drawn from.
 
         Shapes and dtypes (B rows, V = vocabulary size; host or device arrays, the backend
         moves what it needs):
-            logits       [B, V]  float32  after the logits processors (refserve/sampling.py)
+            logits       [B, V]  float32  after the logits processors
             temperature  [B]     float64  > 0 (a greedy row never gets here: its token is
-                                          the argmax, taken by the Sampler)
+                                          the argmax)
             top_k        [B]     int64    0 (or >= V): off
             top_p        [B]     float32  1: off
             min_p        [B]     float32  0: off
-            uniforms     [B]     float64  u in [0, 1), one per row
-            returns      [B]     int64    token ids, on this backend's device
+            returns      [B, V]  float32  on this backend's device
 
-        Row b, with x = logits[b]: e = exp((x - max x) · (1/T)), with 1/T rounded once to
-        float32, is p up to a constant, and
-            min_p  keeps t with e[t] >= min_p                (p[t] >= min_p · max p)
-            top_k  keeps t with x[t] >= the k-th largest logit
-            top_p  keeps t iff, over the tokens min_p and top_k keep, the mass of those with
-                   a larger logit than t is < top_p of their total
-        each rule keeping the ties of its last kept token (equal logits stay or go
-        together; ties are decided on logits, never on rounded probabilities). Then
-            token = min{t : c_t > u · c_{V-1}},  c = running sum of e over the kept tokens
-                                                 in token-id order, in float64.
-        The reference is numpy_backend.sampling_weights / sample_tokens (a sort per row).
+        Row b, with x = logits[b]: e = exp((x - max x) · (1/T)), 1/T rounded once to
+        float32, on the tokens min_p, top_k and top_p keep, exactly 0 elsewhere. Ties are
+        decided on logits, never on rounded probabilities. The plain sampler (`sample`) and
+        speculative decoding's p and q (spec_decode/warping.py) both read these weights, so
+        both keep the same set.
         """
+
+    @abc.abstractmethod
+    def sample(self, logits: Array, temperature: np.ndarray, top_k: np.ndarray,
+               top_p: np.ndarray, min_p: np.ndarray, uniforms: np.ndarray) -> Array:
+        """One token id per row of logits: the inverse CDF of the row's `sampling_weights`
+        at its uniform.
+
+        Arguments as `sampling_weights`, plus uniforms [B] float64, u in [0, 1), one per
+        row; returns [B] int64 token ids on this backend's device:
+            token = min{t : c_t > u · c_{V-1}},  c = running sum of the weights in token-id
+                                                 order, in float64
+        so a token of weight 0 is never drawn.
+        """
+
     # ------------------------------------------------------ speculative decoding
 
     def rejection_sample(
@@ -362,25 +383,35 @@ class Backend(abc.ABC):
         return self.to_device(output_token_ids), self.to_device(num_accepted)
 
 
-def check_swap(cache: Any, host: np.ndarray, block_mapping: Any, to_host: bool) -> np.ndarray:
-    """`block_mapping` as a checked [N, 2] int64 host array for swap_out (to_host=True: rows
-    (device, host)) or swap_in (rows (host, device)). Raises ValueError for caches of
-    different block shapes or dtypes, a block id out of range, or a repeated destination
-    (two copies into one block: no order makes that meaningful)."""
-    if tuple(cache.shape[1:]) != tuple(host.shape[1:]) or np.dtype(cache.dtype) != host.dtype:
-        raise ValueError(f"swap: device blocks {tuple(cache.shape[1:])} {cache.dtype} and host "
-                         f"blocks {tuple(host.shape[1:])} {host.dtype} must have one layout")
-    pairs = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
-    device_col, host_col = (0, 1) if to_host else (1, 0)
-    for col, limit, name in ((device_col, cache.shape[0], "device"),
-                             (host_col, host.shape[0], "host")):
+def check_block_pairs(pairs: Any, num_src_blocks: int, num_dst_blocks: int, op: str,
+                      pools: tuple[str, str] = ("source", "destination")) -> np.ndarray:
+    """Block copies (copy_blocks, swap_out, swap_in) as a checked [N, 2] int64 host array of
+    rows (src, dst). Raises ValueError for a block id out of range or a repeated destination
+    (two copies into one block: no order makes that meaningful). The one check of both
+    rules: every backend's copy and swap ops call it. `pools` names the two columns."""
+    pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    for col, limit, name in ((0, num_src_blocks, pools[0]), (1, num_dst_blocks, pools[1])):
         if ((pairs[:, col] < 0) | (pairs[:, col] >= limit)).any():
-            raise ValueError(f"swap: {name} block ids must be in [0, {limit}), got "
+            raise ValueError(f"{op}: {name} block ids must be in [0, {limit}), got "
                              f"{pairs[:, col].tolist()}")
     dst = pairs[:, 1]
     if len(np.unique(dst)) != len(dst):
-        raise ValueError(f"swap: a destination block appears twice in {dst.tolist()}")
+        raise ValueError(f"{op}: a destination block appears twice in {dst.tolist()}")
     return pairs
+
+
+def check_swap(cache: Any, host: np.ndarray, block_mapping: Any, to_host: bool) -> np.ndarray:
+    """`block_mapping` as a checked [N, 2] int64 host array for swap_out (to_host=True: rows
+    (device, host)) or swap_in (rows (host, device)): both pools of one block layout, then
+    `check_block_pairs`."""
+    if tuple(cache.shape[1:]) != tuple(host.shape[1:]) or np.dtype(cache.dtype) != host.dtype:
+        raise ValueError(f"swap: device blocks {tuple(cache.shape[1:])} {cache.dtype} and host "
+                         f"blocks {tuple(host.shape[1:])} {host.dtype} must have one layout")
+    if to_host:
+        return check_block_pairs(block_mapping, cache.shape[0], host.shape[0], "swap_out",
+                                 ("device", "host"))
+    return check_block_pairs(block_mapping, host.shape[0], cache.shape[0], "swap_in",
+                             ("host", "device"))
 
 
 def contiguous_runs(pairs: np.ndarray) -> list[tuple[int, int, int]]:

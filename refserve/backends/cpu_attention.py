@@ -173,7 +173,8 @@ def plan_decode(block_tables: np.ndarray, context_lens: np.ndarray, block_size: 
     pieces, leftover = [], [[] for _ in range(batch)]  # leftover[b]: [(block, keys)]
     for (first, stop, keys), rows in readers.items():
         if len(rows) * keys >= min_view_work:
-            pieces.append(Piece(_as_rows(rows), first, stop - first, keys))
+            pieces.append(Piece(rows=_as_rows(rows), first=first, num_blocks=stop - first,
+                                num_keys=keys))
         else:
             for b in rows:
                 for block in range(first, stop):
@@ -214,7 +215,7 @@ def _gather_batch(rows: list[int], leftover: list[list[tuple[int, int]]],
     slot = np.arange(num_keys)
     visible = (slot % block_size)[None, :] < filled[:, slot // block_size]
     bias = np.where(visible, _ZERO, _NEG_INF)[:, None, None, :]
-    return Gathered(np.array(rows), table, num_keys, bias)
+    return Gathered(rows=np.array(rows), table=table, num_keys=num_keys, bias=bias)
 
 
 class PagedAttention:
@@ -228,6 +229,10 @@ class PagedAttention:
         # as 2/3 of the gather time; reusing the memory removes it. Nothing returned to the
         # caller aliases these buffers.
         self._scratch: dict[str, np.ndarray] = {}
+        # The last decode plan and what it was planned from: every layer of a step reads
+        # the same tables, so the first layer plans and the others reuse it.
+        self._plan_key: tuple | None = None
+        self._plan: DecodePlan | None = None
 
     def __call__(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                  attn: AttentionMetadata, scale: np.floating) -> np.ndarray:
@@ -240,12 +245,9 @@ class PagedAttention:
         out = np.empty_like(q)
         num_decodes = attn.num_decodes
         if num_decodes > 0:
-            plan = attn.backend_cache.get("cpu_decode")
-            if plan is None:  # the first layer of the step plans for all of them
-                plan = attn.backend_cache["cpu_decode"] = plan_decode(
-                    np.asarray(attn.block_tables)[:num_decodes],
-                    np.asarray(attn.context_lens)[:num_decodes],
-                    k_cache.shape[1], self.min_view_work)
+            plan = self.decode_plan(np.asarray(attn.block_tables)[:num_decodes],
+                                    np.asarray(attn.context_lens)[:num_decodes],
+                                    k_cache.shape[1])
             out[:num_decodes] = self.decode(q[:num_decodes], k_cache, v_cache, plan, scale)
         qsl, ctx = attn.query_start_loc_cpu, attn.context_lens_cpu
         for i in range(num_decodes, attn.num_seqs):
@@ -253,6 +255,19 @@ class PagedAttention:
             out[start:end] = chunk_attention(q[start:end], k_cache, v_cache,
                                              attn.block_tables_cpu[i], int(ctx[i]), scale)
         return out
+
+    def decode_plan(self, block_tables: np.ndarray, context_lens: np.ndarray,
+                    block_size: int) -> DecodePlan:
+        """`plan_decode` of these decode rows, planned once for all the layers of a step:
+        the plan is a function of its arguments, so it is reused while they are equal (a
+        few hundred bytes compared per layer)."""
+        key = (block_size, block_tables.shape, block_tables.dtype.str, block_tables.tobytes(),
+               context_lens.tobytes())
+        if key != self._plan_key:
+            self._plan = plan_decode(block_tables, context_lens, block_size,
+                                     self.min_view_work)
+            self._plan_key = key
+        return self._plan
 
     def decode(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                plan: DecodePlan, scale: np.floating) -> np.ndarray:

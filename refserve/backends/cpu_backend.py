@@ -15,8 +15,8 @@ tokens of the real model identical on both.
                      batch; prefill chunks in query tiles that skip the keys after the tile
                      (cpu_attention.py). Differs from the reference only in float rounding
                      (scores and sums in another order).
-    sample           the nucleus found by bisection instead of a sort of the whole row
-                     (cpu_sampling.py). The same min_p and top_k sets and the same draw; the
+    sampling_weights the nucleus found by bisection instead of a sort of the whole row
+    and sample       (cpu_sampling.py). The same min_p and top_k sets and the same draw; the
                      top_p mass is summed in another order, so a token whose larger-logit
                      mass lies within float32 rounding of top_p may be kept by one and not
                      the other.
@@ -32,7 +32,7 @@ import numpy as np
 
 from refserve.backends.base import AttentionMetadata
 from refserve.backends.cpu_attention import PagedAttention
-from refserve.backends.cpu_sampling import sample_tokens
+from refserve.backends.cpu_sampling import dense_weights, sample_tokens
 from refserve.backends.cpu_threads import thread_policy
 from refserve.backends.few_row_matmul import DenseWeight, fixed_plan
 from refserve.backends.numpy_backend import NumpyBackend
@@ -84,6 +84,10 @@ class CpuBackend(NumpyBackend):
 
     # ---------------------------------------------------------------- sampling
 
+    def sampling_weights(self, logits, temperature, top_k, top_p, min_p) -> np.ndarray:
+        """See `Backend.sampling_weights` and cpu_sampling.py (the nucleus by bisection)."""
+        return dense_weights(logits, temperature, top_k, top_p, min_p)
+
     def sample(self, logits, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
-        """See `Backend.sample` and cpu_sampling.py (the nucleus by bisection)."""
+        """See `Backend.sample`: the inverse CDF over cpu_sampling.py's kept tokens only."""
         return sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms)

@@ -1,7 +1,9 @@
-"""The tuned CPU sampler: `Backend.sample`'s rule without sorting whole rows.
+"""The tuned CPU sampler: the nucleus (`Backend.sampling_weights`) without sorting whole rows.
 
-The rule and the draw are the reference's (numpy_backend.sampling_weights / sample_tokens,
-`Backend.sample` states them). What differs is how the top_p cut is found. The reference
+The rule and the draw are the reference's (refserve/sampling.py states them;
+numpy_backend.sampling_weights / sample_tokens). `kept_distributions` is this backend's one
+implementation of the nucleus: `sample` draws from it, and `dense_weights` hands it to
+speculative decoding's p and q. What differs is how the top_p cut is found. The reference
 sorts each row (O(V log V) per row, about 3 ms for 49152 logits); here, in a few passes over
 [rows, vocab] in float32:
   - one max and one exp per element: e = exp((x - max) · (1/T)), the unnormalised p;
@@ -45,6 +47,20 @@ def sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms) -> np.ndar
         k = inverse_cdf(weights, float(uniforms[r]))
         tokens[r] = k if ids is None else ids[k]
     return tokens
+
+
+def dense_weights(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
+    """`Backend.sampling_weights`: the kept distributions as dense [B, V] float32 rows, 0
+    outside each row's kept set."""
+    x = np.asarray(logits, dtype=np.float32)
+    weights = np.zeros(x.shape, dtype=np.float32)
+    found = kept_distributions(x, np.asarray(temperature, dtype=np.float64),
+                               np.asarray(top_k, dtype=np.int64),
+                               np.asarray(top_p, dtype=np.float32),
+                               np.asarray(min_p, dtype=np.float32))
+    for r, (ids, w) in enumerate(found):
+        weights[r, slice(None) if ids is None else ids] = w
+    return weights
 
 
 def kept_distributions(x, temperature, top_k, top_p, min_p

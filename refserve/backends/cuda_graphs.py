@@ -20,8 +20,9 @@ kernels once (stream capture) and replays them with one launch. The price: a gra
     from, so no later array can land on memory a replay writes.
 
 Only pure decode steps (every row q_len == 1, batch <= the largest size) replay; anything
-else, or `enforce_eager=True`, runs the readable eager forward. If a capture fails (an
-unsupported operation), graphs are switched off with one message and eager takes over.
+else, or `enforce_eager=True`, runs the readable eager forward (CupyBackend.forward
+decides). If a capture fails (an unsupported operation), graphs are switched off with one
+message and eager takes over.
 
 `Capturer` is the seam: `CupyCapturer` records with `cupy.cuda.Stream.begin_capture`; the
 CPU tests use a capturer whose "graph" simply calls the forward again on the same buffers,
@@ -212,7 +213,10 @@ class DecodeGraphs:
         return graph, logits, attn, keepalive
 
     def run(self, inputs):
-        """Replay the step's graph; returns device logits [num_logits, V] (scheduler order)."""
+        """Replay the step's graph; returns device logits [num_logits, V] (scheduler order),
+        or None when this step must run eagerly (`key`) or its capture failed."""
+        if not self.can_run(inputs):
+            return None
         batch, bucket = self.key(inputs)
         entry = self.graphs.get((batch, bucket))
         if entry is None:
@@ -228,11 +232,12 @@ class DecodeGraphs:
                                    inputs.context_lens, inputs.block_tables, batch,
                                    self.width)
 
+        rows = self.backend.to_device(inputs.logits_indices)
+
         def replay():
             self._fill(padded)
-            attn.backend_cache.clear()  # derived from the buffers' old contents
             self.capturer.replay(graph)
-            return logits[inputs.logits_indices_device]  # drop padding rows; a copy
+            return logits[rows]  # drop padding rows; a copy
 
         self.num_replays += 1
         return self.capturer.run_on_stream(replay)

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from refserve.backends.base import check_block_pairs
+
 KERNEL_DIR = Path(__file__).parent / "kernels"
 KERNEL_FILES = ("paged_attention.cu", "cache_ops.cu", "rejection_sample.cu")
 
@@ -323,12 +325,8 @@ def copy_pairs_are_independent(src_to_dst: np.ndarray, num_blocks: int) -> bool:
     src: thread blocks run in any order, so the kernel could read a block after another copy
     overwrote it; the caller then gathers all sources first (the Backend.copy_blocks rule).
     """
-    pairs = np.asarray(src_to_dst).reshape(-1, 2)
-    _require(((pairs >= 0) & (pairs < num_blocks)).all(),
-             f"copy_blocks: block ids must be in [0, {num_blocks}), got {pairs.tolist()}")
-    dst = pairs[:, 1]
-    _require(len(np.unique(dst)) == len(dst), f"copy_blocks: duplicate destination in {dst}")
-    return not np.isin(dst, pairs[:, 0]).any()
+    pairs = check_block_pairs(src_to_dst, num_blocks, num_blocks, "copy_blocks")
+    return not np.isin(pairs[:, 1], pairs[:, 0]).any()
 
 
 def copy_blocks_launch(k_cache, v_cache, src_to_dst) -> Launch | None:

@@ -5,6 +5,8 @@ grid layout); what to launch, with which grid and arguments, is decided by the p
 of `cuda_launch.py`, which the test suite runs on the CPU through a CUDA simulator. This file
 only turns those `Launch` records into `cupy.RawModule` calls, so it stays small:
 
+    forward          a pure decode step replays a CUDA graph (cuda_graphs.py); the others
+                     run the model's forward eagerly
     write_kv         write_kv_kernel (16-byte rows, slot -1 skipped)
     copy_blocks      copy_blocks_kernel; a chain of copies (some dst is also a src) falls
                      back to a gather-then-scatter, which reads every source first
@@ -16,8 +18,8 @@ only turns those `Launch` records into `cupy.RawModule` calls, so it stays small
     rejection_sample rejection_sample_kernel: the speculative accept / residual step, tokens
                      bit-identical to the NumPy op for the same uniforms
     linear           x @ W.T, a cupy matmul (cuBLAS)
-    sample           the reference's sample_tokens with cupy (a sort per row on the device):
-                     only the token ids leave the GPU
+    sampling_weights the reference's sampling_weights / sample_tokens with cupy (a sort per
+    and sample       row on the device): only the token ids leave the GPU
 
 Nothing here reads a device value back to the host during a forward: every grid size comes
 from array shapes and the AttentionMetadata host scalars.
@@ -35,7 +37,7 @@ import numpy as np
 
 import refserve.backends.cuda_launch as cl
 from refserve.backends.base import Backend, check_swap, contiguous_runs
-from refserve.backends.numpy_backend import sample_tokens
+from refserve.backends.numpy_backend import sample_tokens, sampling_weights
 
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
@@ -65,6 +67,7 @@ class CupyBackend(Backend):
         self._partition_size = partition_size
         self._workspace: dict[str, Any] = {}  # v2 scratch, see _v2_workspace
         self.enforce_eager = enforce_eager  # True: never capture CUDA graphs
+        self._graphs: dict[int, Any] = {}   # id(kv_caches) -> DecodeGraphs (see forward)
 
     # ------------------------------------------------------------------ arrays
 
@@ -89,16 +92,32 @@ class CupyBackend(Backend):
     def total_device_memory(self) -> int | None:
         return int(self.xp.cuda.runtime.memGetInfo()[1])
 
-    def make_decode_graphs(self, model, kv_caches, block_size: int):
-        """CUDA graphs for the runner's pure decode steps (cuda_graphs.DecodeGraphs), or None
-        with enforce_eager. Graphs are captured lazily, per padded batch size and context
-        bucket, on first use."""
-        if self.enforce_eager:
-            return None
+    def forward(self, model, inputs, kv_caches):
+        """See Backend.forward: a pure decode step replays a CUDA graph of the whole forward
+        (cuda_graphs.py) unless enforce_eager; every other step, or one whose capture
+        failed, runs the model's forward on device copies of the inputs."""
+        graphs = None if self.enforce_eager else self._decode_graphs(model, kv_caches)
+        logits = graphs.run(inputs) if graphs is not None else None
+        if logits is None:
+            to_device = self.to_device
+            logits = model.forward(to_device(inputs.input_ids), to_device(inputs.positions),
+                                   inputs.attn, kv_caches, to_device(inputs.logits_indices))
+        return logits
+
+    def _decode_graphs(self, model, kv_caches):
+        """The CUDA graphs of one runner's decode steps (one model over one KV cache: the
+        target's, or a draft model's), made on its first forward and captured lazily, per
+        padded batch size and context bucket. Keyed by the cache list, which the graphs
+        hold, so its id is never reused while the entry lives."""
         from refserve.backends.cuda_graphs import CupyCapturer, DecodeGraphs
 
-        return DecodeGraphs(model, self, kv_caches, block_size, CupyCapturer(self.xp),
-                            partition_size=self._partition_size)
+        graphs = self._graphs.get(id(kv_caches))
+        if graphs is None:
+            block_size = kv_caches[0][0].shape[1]
+            graphs = self._graphs[id(kv_caches)] = DecodeGraphs(
+                model, self, kv_caches, block_size, CupyCapturer(self.xp),
+                partition_size=self._partition_size)
+        return graphs
 
     def _run(self, launch: cl.Launch | None) -> None:
         if launch is not None:
@@ -241,6 +260,12 @@ class CupyBackend(Backend):
         return output, num_accepted
 
     # --------------------------------------------------------------------- sampling
+
+    def sampling_weights(self, logits, temperature, top_k, top_p, min_p):
+        """See Backend.sampling_weights: the reference's own code with cupy, on the device."""
+        xp = self.xp
+        return sampling_weights(xp, xp.asarray(logits), xp.asarray(temperature),
+                                xp.asarray(top_k), xp.asarray(top_p), xp.asarray(min_p))
 
     def sample(self, logits, temperature, top_k, top_p, min_p, uniforms):
         """See Backend.sample: the reference's own code (numpy_backend.sample_tokens, a sort

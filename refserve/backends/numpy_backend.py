@@ -2,13 +2,15 @@
 
 This is the backend the course reads (`backend="numpy"`). Each op is its definition in NumPy:
 
+    forward          model.forward(the step's arrays), eagerly
     linear           x @ W.T
     write_kv         k_slots[slot_mapping] = k                 (one scatter)
     copy_blocks      cache[dst] = cache[src]
     swap_out/in      host[dst] = cache[src]; cache[dst] = host[src]
     paged_attention  one sequence at a time: gather its keys and values through its block
                      table, then softmax(q · Kᵀ · scale + causal mask) · V
-    sample           sort each row, keep what min_p / top_k / top_p keep, inverse CDF
+    sampling_weights sort each row, keep what min_p / top_k / top_p keep
+    sample           the inverse CDF of those weights at the row's uniform
     rejection_sample refserve/spec_decode/rejection_sampler.py (Backend.rejection_sample)
 
 Nothing here exists for speed. The tuned CPU backend (cpu_backend.py, `backend="cpu"`, what
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from refserve.backends.base import AttentionMetadata, Backend, check_swap
+from refserve.backends.base import AttentionMetadata, Backend, check_block_pairs, check_swap
 
 
 class NumpyBackend(Backend):
@@ -53,6 +55,13 @@ class NumpyBackend(Backend):
             return np.dtype(np.float32)
         raise ValueError(f"dtype={dtype!r}: the {self.name} backend computes in float32; use "
                          "dtype='float32' or the cupy backend")
+
+    # ------------------------------------------------------------ the model
+
+    def forward(self, model, inputs, kv_caches) -> np.ndarray:
+        """The model's forward on the step's arrays (host arrays are device arrays here)."""
+        return model.forward(inputs.input_ids, inputs.positions, inputs.attn, kv_caches,
+                             inputs.logits_indices)
 
     # ------------------------------------------------------------ dense products
 
@@ -79,11 +88,8 @@ class NumpyBackend(Backend):
         copies read the caches as they were before any write (a chain a->b, b->c copies the
         old b into c).
         """
-        pairs = np.asarray(src_to_dst, dtype=np.int64).reshape(-1, 2)
-        if len(pairs) == 0:
-            return
+        pairs = check_block_pairs(src_to_dst, len(k_cache), len(k_cache), "copy_blocks")
         src, dst = pairs[:, 0], pairs[:, 1]
-        assert len(np.unique(dst)) == len(dst), f"copy_blocks: duplicate destination in {dst}"
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
 
@@ -119,6 +125,10 @@ class NumpyBackend(Backend):
             values = gather_context(v_cache, attn.block_tables_cpu[i], context_len)
             out[start:end] = causal_attention(q[start:end], keys, values, scale)
         return out
+
+    def sampling_weights(self, logits, temperature, top_k, top_p, min_p) -> np.ndarray:
+        """The nucleus: `sampling_weights` below, with NumPy. See `Backend.sampling_weights`."""
+        return sampling_weights(np, logits, temperature, top_k, top_p, min_p)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
         """One token per row: `sample_tokens` below, with NumPy. See `Backend.sample`."""
@@ -172,18 +182,13 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
 
 
 def sampling_weights(xp: Any, logits, temperature, top_k, top_p, min_p):
-    """Per row of `logits` [B, V], the unnormalised distribution a token is drawn from:
-    `exp((x - max x) · (1/T))` on the tokens min_p, top_k and top_p keep, 0 elsewhere. The
-    per-row arrays are `Backend.sample`'s. [B, V] float32, written against `xp` (numpy or
-    cupy), so the CuPy backend runs this same rule on the device.
+    """`Backend.sampling_weights` (the nucleus of refserve/sampling.py), written against
+    `xp` (numpy or cupy), so the CuPy backend runs this same code on the device.
 
     Every rule keeps a prefix of the row sorted largest first, so the rules are applied
-    there and the kept set is then "every logit >= the smallest kept one" (ties with the
-    last kept token stay):
-        min_p   keep e >= min_p, e = exp((x - max) / T) = p / max p
-        top_k   keep x >= the k-th largest x
-        top_p   renormalise over what is kept; keep a token while the mass ranked before it
-                is < top_p (the first token of a run of ties decides for the run)
+    there, and the kept set is then "every logit >= the smallest kept one": ties with the
+    last kept token stay, and in a run of ties the mass ranked before its first token
+    decides for the whole run.
     """
     x = logits.astype(xp.float32, copy=False)
     batch, vocab = x.shape
@@ -205,9 +210,8 @@ def sampling_weights(xp: Any, logits, temperature, top_k, top_p, min_p):
 
 
 def sample_tokens(xp: Any, logits, temperature, top_k, top_p, min_p, uniforms):
-    """One token id per row (int64 [B]): the inverse CDF of `sampling_weights` at the row's
-    uniform u, token = min{t : c_t > u · c_{V-1}} with c the running sum of the weights in
-    token-id order, in float64. A zero weight adds nothing to c, so it is never drawn."""
+    """`Backend.sample` written against `xp`: the inverse CDF of `sampling_weights` at each
+    row's uniform (int64 [B])."""
     weights = sampling_weights(xp, logits, temperature, top_k, top_p, min_p)
     cdf = xp.cumsum(weights.astype(xp.float64), axis=-1)
     target = xp.asarray(uniforms, dtype=xp.float64) * cdf[:, -1]

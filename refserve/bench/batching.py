@@ -19,7 +19,7 @@ from refserve.bench.common import ms, print_table, pyplot, save_figure, traced
 from refserve.bench.workloads import Workload, make_workload
 from refserve.config import BACKENDS
 from refserve.sampling import SamplingParams
-from refserve.speculation.cost_probe import dense_seconds
+from refserve.spec_decode.cost_probe import dense_seconds
 
 HELP = "continuous vs static batching vs transformers' generate"
 
@@ -180,7 +180,7 @@ def overhead_at(llm, running: int, steps: int, vocab_size: int) -> dict:
 def dense_matmul_floor(model, rows: int, repeats: int = 5) -> float:
     """Milliseconds for one decode step's dense products alone at `rows` rows: per layer
     q/k/v, o, gate/up and down, plus the LM head, with the model's own weights and its
-    backend's `linear` (speculation/cost_probe.dense_seconds). Every layer's weights are
+    backend's `linear` (spec_decode/cost_probe.dense_seconds). Every layer's weights are
     distinct, 538 MB for SmolLM2-135M, so they stream from memory as in the forward (one
     layer's 14 MB reused 30 times would sit in the 32 MB L3 and make the floor optimistic).
     The best of `repeats`: a floor no decode step of this model beats on this machine."""

@@ -35,7 +35,7 @@ from refserve.bench.common import print_table, pyplot, save_figure, traced
 from refserve.bench.corpus import passage
 from refserve.config import BACKENDS
 from refserve.sampling import SamplingParams
-from refserve.speculation import cost_probe
+from refserve.spec_decode import cost_probe
 
 HELP = "speculative decoding: none vs n-gram vs self-draft, quote-heavy and creative"
 

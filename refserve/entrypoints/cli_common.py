@@ -74,6 +74,17 @@ def check_output_path(path: Path, flag: str = "--json") -> None:
         raise CLIError(f"{flag} {path}: cannot write there (permission denied)")
 
 
+def write_trace(trace, path: Path) -> None:
+    """Write the engine's `--trace` timeline (`trace` None: no --trace was given). Raises
+    CLIError naming the flag when the file cannot be written."""
+    if trace is None:
+        return
+    try:
+        trace.write(path)
+    except OSError as e:
+        raise CLIError(f"--trace {path}: cannot write it ({e.strerror})") from None
+
+
 def json_object(text: str) -> dict:
     """argparse type: a JSON object given on the command line (--speculative-config)."""
     try:

@@ -2,8 +2,9 @@
 
     BlockAllocator   fixed pool of physical blocks, O(1) free queue, ref counts
     BlockTable       one sequence's logical -> physical block map, slot arithmetic
-    PrefixCache      the prefix cache interface (prefix_cache.py: the hash chain,
-                     HashChainCache; radix_cache.py: the radix tree, RadixCache)
+    PrefixCache      the prefix cache interface (prefix_cache.py); its policies: the
+                     hash chain (hash_chain.py, HashChainCache) and the radix tree
+                     (radix_cache.py, RadixCache)
     KVCacheManager   what the scheduler talks to (allocate, copy-on-write, fork, free)
 
 The names are imported on first use rather than here, so that each module's demo
@@ -18,8 +19,8 @@ _WHERE = {
     "NoFreeBlocksError": "block_allocator",
     "BlockTable": "block_table",
     "KVCacheManager": "kv_cache_manager",
-    "BlockKey": "prefix_cache",
-    "HashChainCache": "prefix_cache",
+    "BlockKey": "hash_chain",
+    "HashChainCache": "hash_chain",
     "PrefixCache": "prefix_cache",
     "RadixCache": "radix_cache",
 }

@@ -9,10 +9,8 @@ State
     available queue  every block with ref_count 0, in the order they should be reused:
                      the head is taken first by `allocate`.
 
-Words (one meaning each, here and in the KV-cache manager): a block is HELD while its ref
-count is > 0, and AVAILABLE when it is 0. The manager splits the available blocks further
-into EVICTABLE (its KV is still in the prefix cache, a hit can revive it) and FREE (holds
-nothing reusable). The allocator knows nothing of caching, so it only says "available".
+A block is HELD while its ref count is > 0, and AVAILABLE when it is 0; the prefix cache
+splits the available ones into evictable and free (prefix_cache.py, "three words").
 
 Invariants (checked by `check_invariants`)
     * block b is in the available queue  <=>  ref_count[b] == 0
@@ -47,8 +45,8 @@ class NoFreeBlocksError(RuntimeError):
 class BlockAllocator:
     """Fixed pool of physical block ids 0 .. num_blocks-1 with reference counts.
 
-    Complexity: `allocate`, `decref`, `incref`, `ref_count`, `is_available` and
-    `num_available_blocks` are all O(1).
+    Complexity: `allocate`, `decref`, `incref`, `ref_count` and `num_available_blocks` are
+    all O(1).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -74,10 +72,6 @@ class BlockAllocator:
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_counts[block_id]
-
-    def is_available(self, block_id: int) -> bool:
-        self._check_id(block_id)
-        return block_id in self._available
 
     def available_block_ids(self) -> Iterator[int]:
         """The available queue from head (reused first) to tail (reused last)."""

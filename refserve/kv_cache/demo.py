@@ -14,17 +14,19 @@ from __future__ import annotations
 import sys
 
 from refserve.kv_cache.block_allocator import BlockAllocator
-from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens
+from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens, slot_mapping
+from refserve.kv_cache.hash_chain import HashChainCache
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.kv_cache.prefix_cache import HashChainCache
 
 
 def block_table() -> None:
     table = BlockTable(block_size=4, block_ids=[7, 2, 9])
     print(table)
+    bs = table.block_size
     for p in range(10):
-        print(f"position {p}: logical block {table.logical_block(p)}, slot {table.slot(p)}")
-    print("slots(3, 9) =", table.slots(3, 9))
+        print(f"position {p}: logical block {p // bs}, slot "
+              f"{slot_mapping(table.block_ids, p, bs)}")
+    print("slots(3, 9) =", slot_mapping(table.block_ids, range(3, 9), bs).tolist())
     for n in (10, 12, 13):
         print(f"{n} tokens need {blocks_for_tokens(n, table.block_size)} blocks -> "
               f"{table.num_new_blocks(n)} new")

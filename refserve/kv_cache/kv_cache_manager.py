@@ -1,8 +1,8 @@
 """The KV-cache manager: the one object the scheduler asks for KV-cache space.
 
 It owns the `BlockAllocator` (physical blocks and ref counts), one `BlockTable` per sequence
-that holds blocks, and the prefix cache in use (prefix_cache.py: the hash chain, the radix
-tree, or nothing when prefix caching is off). The backend never sees any of this: it only
+that holds blocks, and the prefix cache in use (prefix_cache.py's interface: the hash chain,
+the radix tree, or nothing when prefix caching is off). The backend never sees any of this: it only
 receives `slot_mapping`, `block_tables` and the copy-on-write pairs.
 
 Who writes what. The manager only *reads* `seq.num_computed_tokens` and `seq.token_ids`; it
@@ -54,9 +54,15 @@ from typing import TYPE_CHECKING, NamedTuple
 from refserve.config import PREFIX_CACHING_POLICIES
 from refserve.kv_cache import kv_checks
 from refserve.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
-from refserve.kv_cache.block_table import BlockTable, blocks_for_tokens
+from refserve.kv_cache.block_table import (
+    BlockTable,
+    blocks_for_tokens,
+    check_block_size,
+    slot_mapping,
+)
+from refserve.kv_cache.hash_chain import HashChainCache
 from refserve.kv_cache.host_pool import HostBlockPool
-from refserve.kv_cache.prefix_cache import HashChainCache, PrefixCache
+from refserve.kv_cache.prefix_cache import PrefixCache
 from refserve.kv_cache.radix_cache import RadixCache
 
 if TYPE_CHECKING:
@@ -78,8 +84,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True,
                  prefix_caching_policy: str = "hash") -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r}: must be an integer >= 1")
+        check_block_size(block_size)
         if prefix_caching_policy not in PREFIX_CACHING_POLICIES:
             raise ValueError(f"prefix_caching_policy={prefix_caching_policy!r}: choose one "
                              f"of {', '.join(PREFIX_CACHING_POLICIES)}")
@@ -112,9 +117,8 @@ class KVCacheManager:
 
     @property
     def num_held_blocks(self) -> int:
-        """Blocks some block table holds (hash: ref count > 0; radix: the tree's own
-        reference on an evictable block does not count)."""
-        return self.prefix_cache.num_held_blocks
+        """Blocks some block table holds: what evictable and free blocks leave."""
+        return self.num_blocks - self.num_evictable_blocks - self.num_free_blocks
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -127,9 +131,9 @@ class KVCacheManager:
         return self.prefix_cache.num_free_blocks
 
     def block_counts(self) -> BlockCounts:
-        """The pool now, in one call (a step's summary); held is what the rest leaves."""
-        evictable, free = self.prefix_cache.num_evictable_blocks, self.prefix_cache.num_free_blocks
-        return BlockCounts(self.num_blocks - evictable - free, evictable, free, self.num_blocks)
+        """The pool now, in one call (a step's summary)."""
+        return BlockCounts(held=self.num_held_blocks, evictable=self.num_evictable_blocks,
+                           free=self.num_free_blocks, total=self.num_blocks)
 
     @property
     def num_available_blocks(self) -> int:
@@ -151,10 +155,6 @@ class KVCacheManager:
         policy sorts by); 0 when caching is off."""
         return self.prefix_cache.match_length(seq.token_ids)
 
-    def usage(self) -> float:
-        """Fraction of the pool held by some sequence (evictable blocks are not held)."""
-        return self.num_held_blocks / self.num_blocks
-
     def reset_peak(self) -> None:
         """Start a new window for `num_held_blocks_peak_since_reset`."""
         self.num_held_blocks_peak_since_reset = self.num_held_blocks
@@ -167,11 +167,14 @@ class KVCacheManager:
         return self._table(seq_id).block_ids
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Flat KV slots of positions [start, end): table[p // bs] * bs + p % bs."""
-        return self._table(seq_id).slots(start, end)
+        """Flat KV slots of positions [start, end) (block_table.slot_mapping)."""
+        return slot_mapping(self._table(seq_id).block_ids, range(start, end),
+                            self.block_size).tolist()
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
-        """Prefix-cache lookup for a sequence about to be admitted. Touches nothing.
+        """Prefix-cache lookup for a sequence about to be admitted. Takes no block and no
+        reference (the radix tree's lookup may split a node, and marks the hit path as just
+        used: its LRU clock).
 
         Walks the leading full blocks of seq.token_ids and returns the cached ones up to the
         first miss, as (block ids, tokens they cover = len(blocks) * block_size). The block
@@ -220,7 +223,8 @@ class KVCacheManager:
         # From here on nothing can fail: the plan fits in the available blocks.
 
         if table is None:
-            table = self._tables[seq.seq_id] = plan
+            table = plan
+            self._tables[seq.seq_id] = table
             self.prefix_cache.attach(seq.seq_id, attach)  # increfs (radix: locks the path)
             if self.enable_prefix_caching:
                 self.prefix_cache_queried_tokens += seq.num_tokens
@@ -317,7 +321,8 @@ class KVCacheManager:
                                     f"only {self.num_available_blocks} are free or evictable")
         device = [self._take_block() for _ in range(needed)]
         back = host_pool.swap_in([seq.seq_id], device)
-        table = self._tables[seq.seq_id] = BlockTable(self.block_size)
+        table = BlockTable(self.block_size)
+        self._tables[seq.seq_id] = table
         for block_id in back.tables[seq.seq_id]:
             table.append(block_id)
         self.prefix_cache.attach(seq.seq_id, [])
@@ -344,8 +349,7 @@ class KVCacheManager:
         keep = blocks_for_tokens(num_tokens, self.block_size)
         if len(table) <= keep:
             return []
-        dropped = table.block_ids[keep:]
-        self._tables[seq.seq_id] = BlockTable(self.block_size, table.array[:keep])
+        dropped = table.truncate(keep)
         self.prefix_cache.trim(seq.seq_id, keep, dropped)  # checks none of them is cached
         for block_id in reversed(dropped):  # tail first
             self.allocator.decref(block_id, to_front=True)

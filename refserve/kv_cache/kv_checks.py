@@ -44,7 +44,7 @@ def check_ref_counts(cache, holders: SequenceOf[int]) -> None:
 
 
 def check_hash_chain(cache, holders: SequenceOf[int]) -> None:
-    """A HashChainCache (prefix_cache.py) against its allocator and the holders."""
+    """A HashChainCache (hash_chain.py) against its allocator and the holders."""
     check_ref_counts(cache, holders)
     if len(cache._block_of_key) != len(cache._key_of_block) or any(
             cache._key_of_block.get(b) is not k for k, b in cache._block_of_key.items()):

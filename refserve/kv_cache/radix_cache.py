@@ -1,6 +1,6 @@
 """The radix prefix cache: prefix sharing as a tree (SGLang's RadixAttention).
 
-The hash chain (prefix_cache.py) names every full block by its whole prefix and finds a
+The hash chain (hash_chain.py) names every full block by its whole prefix and finds a
 sequence's hits block by block. A radix tree stores the same knowledge as paths: each edge
 is a run of tokens, and the path from the root to a node spells a prefix whose KV is cached.
 A lookup walks down from the root, so it finds the longest cached prefix in one pass, and the
@@ -52,18 +52,19 @@ from the bottom of the tree, so a cached prefix never loses its beginning while 
 end (the hash chain can orphan deeper blocks that way). A leaf is trimmed only as far as
 needed, so evicting one block of a long leaf keeps the rest of it findable.
 
-The holder's protocol (what the KV-cache manager does with this tree):
+The holder's protocol is the `PrefixCache` interface (prefix_cache.py); the KV-cache manager
+calls it, and here it means:
 
-    hit = tree.match_prefix(seq.token_ids)          # admission; the last token never hits
-    # pay for tree.evictable_on_path(hit.node) blocks (they stop being evictable), then
-    allocator.incref each of hit.block_ids; tree.lock(hit.node)
-    ... the step computes more tokens ...
-    done = tree.insert(tokens of the full computed blocks, their block ids)
-    # done.block_ids are the tree's blocks for those tokens; blocks of the sequence that
-    # duplicate one of them (computed twice) may be swapped for the tree's and freed
-    tree.lock(done.node); tree.unlock(old node)     # move the lock down
-    ... allocator.free each block of the sequence; tree.unlock(its node)   # retire
-    when the allocator has no free block: tree.evict(k), then allocate
+    lookup(tokens)          match_prefix: the hit blocks (splitting the node the match ends
+                            inside, marking the path used); no reference, no lock
+    attach(seq, hits)       a reference on each hit block (an evictable one is revived:
+                            revive_cost counts them), and a lock on the node they end at
+    cache_full_blocks(...)  insert the newly full computed blocks, move the sequence's lock
+                            down to the node that ends them; a block that duplicates the
+                            tree's comes back as (logical block, tree block) for the manager
+                            to swap into the table and free
+    release(seq, blocks)    one reference per block, tail first, then unlock
+    take_block()            a free block; only when none is left, evict(1) (the LRU leaf)
 
 `check_invariants` checks the tree's invariants (radix_checks.py lists them).
 """
@@ -118,12 +119,9 @@ class RadixCache(PrefixCache):
         return self._num_evictable
 
     @property
-    def num_held_blocks(self) -> int:
-        """The tree's own reference on an evictable block does not count."""
-        return self.allocator.num_held_blocks - self._num_evictable
-
-    @property
     def num_free_blocks(self) -> int:
+        """The allocator's available blocks: the tree's own reference keeps every cached
+        block out of that queue."""
         return self.allocator.num_available_blocks
 
     def __len__(self) -> int:

@@ -5,14 +5,18 @@ Llama, SmolLM, Mistral and Qwen2 share one shape; the differences are config val
 
     h = embed(input_ids)
     cos, sin = rope tables at this step's positions         (once per step, not per layer)
-    for each layer:
-        a = rms_norm(h) @ [Wq | Wk | Wv]ᵀ        (+ bias: Qwen2, attention_bias)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        write k, v into the paged KV cache at slot_mapping     ← backend.write_kv
-        o = attention(q, cached K/V of each sequence)         ← backend.paged_attention
-        h = h + o @ Woᵀ
-        h = h + (silu(x @ Wgateᵀ) * (x @ Wupᵀ)) @ Wdownᵀ,  x = rms_norm(h)
+    for each layer (a Block, as nanoGPT's):
+        h = h + attention(rms_norm(h))
+        h = h + mlp(rms_norm(h))
     logits = rms_norm(h)[rows that sample] @ Wlm_headᵀ
+
+    attention(x):  q, k, v = x @ [Wq | Wk | Wv]ᵀ        (+ bias: Qwen2, attention_bias)
+                   q, k = rope(q), rope(k)
+                   write k, v into the paged KV cache at slot_mapping  ← backend.write_kv
+                   o = softmax(q Kᵀ · scale) V over each sequence's cached K/V
+                                                          ← backend.paged_attention
+                   return o @ Woᵀ
+    mlp(x):        return (silu(x @ Wgateᵀ) * (x @ Wupᵀ)) @ Wdownᵀ
 
     rms_norm(x) = x / sqrt(mean(x²) + eps) * weight
     rope: the "rotate half" form; each pair (x_i, x_{i+d/2}) at position p, θ_i = p·theta^(-2i/d),
@@ -40,15 +44,32 @@ from refserve.models.config import LlamaConfig
 
 
 @dataclass
-class _Layer:
-    input_norm: object
-    post_attention_norm: object
-    w_qkv: object           # [(H + 2·Hkv)·head_dim, hidden]: q, k, v projections fused
+class Attention:
+    """One layer's attention weights: q, k and v fused into one product (as nanoGPT's
+    c_attn), then the output projection."""
+
+    w_qkv: object           # [(H + 2·Hkv)·head_dim, hidden]: Wq, Wk, Wv stacked
     b_qkv: object | None
     w_o: object             # [hidden, H·head_dim]
     b_o: object | None
-    w_gate_up: object       # [2·intermediate, hidden]: gate and up fused
+
+
+@dataclass
+class MLP:
+    """One layer's gated MLP weights: gate and up fused into one product, then down."""
+
+    w_gate_up: object       # [2·intermediate, hidden]: Wgate, Wup stacked
     w_down: object          # [hidden, intermediate]
+
+
+@dataclass
+class Block:
+    """One transformer layer: h + attention(norm(h)), then h + mlp(norm(h))."""
+
+    input_norm: object
+    attention: Attention
+    post_attention_norm: object
+    mlp: MLP
 
 
 class LlamaModel:
@@ -76,21 +97,23 @@ class LlamaModel:
         # Tied: the embedding rows are the lm_head's, stored once.
         self.embed_tokens = (backend.weight_matrix(self.lm_head) if c.tie_word_embeddings
                              else embed)
-        self.layers = []
+        self.layers: list[Block] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             qkv = [weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
-            self.layers.append(_Layer(
+            self.layers.append(Block(
                 input_norm=dev(weights[p + "input_layernorm.weight"]),
+                attention=Attention(
+                    w_qkv=dense(np.concatenate(qkv, axis=0)),
+                    b_qkv=(dev(np.concatenate([weights[p + f"self_attn.{n}_proj.bias"]
+                                               for n in "qkv"])) if c.qkv_bias else None),
+                    w_o=dense(weights[p + "self_attn.o_proj.weight"]),
+                    b_o=dev(weights[p + "self_attn.o_proj.bias"]) if c.o_bias else None),
                 post_attention_norm=dev(weights[p + "post_attention_layernorm.weight"]),
-                w_qkv=dense(np.concatenate(qkv, axis=0)),
-                b_qkv=(dev(np.concatenate([weights[p + f"self_attn.{n}_proj.bias"]
-                                           for n in "qkv"])) if c.qkv_bias else None),
-                w_o=dense(weights[p + "self_attn.o_proj.weight"]),
-                b_o=dev(weights[p + "self_attn.o_proj.bias"]) if c.o_bias else None,
-                w_gate_up=dense(np.concatenate([weights[p + "mlp.gate_proj.weight"],
-                                                weights[p + "mlp.up_proj.weight"]], axis=0)),
-                w_down=dense(weights[p + "mlp.down_proj.weight"]),
+                mlp=MLP(
+                    w_gate_up=dense(np.concatenate([weights[p + "mlp.gate_proj.weight"],
+                                                    weights[p + "mlp.up_proj.weight"]])),
+                    w_down=dense(weights[p + "mlp.down_proj.weight"])),
             ))
         # RoPE tables, cos/sin of θ_i = p · theta^(-2i/d) for every position p.
         inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64)
@@ -133,32 +156,43 @@ class LlamaModel:
         No value is read back to the host here: every size comes from array shapes or from
         the metadata's host scalars.
         """
-        c, xp, backend = self.config, self.xp, self.backend
-        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         # cos, sin of this step's positions, [T, 1, head_dim / 2] (the 1 broadcasts over
         # heads): gathered once per step, every layer's `rope` reuses them.
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         h = self.embed_tokens[input_ids]                                  # [T, hidden]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = self.rms_norm(h, layer.input_norm)
-            qkv = backend.linear(x, layer.w_qkv)                          # [T, (H+2Hkv)·D]
-            if layer.b_qkv is not None:
-                qkv = qkv + layer.b_qkv
-            # q and k heads side by side: one rope call rotates both.
-            qk = self.rope(qkv[:, :(H + Hkv) * D].reshape(-1, H + Hkv, D), cos, sin)
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, (H + Hkv) * D:].reshape(-1, Hkv, D)
-            backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-            o = backend.paged_attention(q, k_cache, v_cache, attn, self.scale)
-            o = backend.linear(o.reshape(-1, H * D), layer.w_o)
-            h = h + o if layer.b_o is None else h + (o + layer.b_o)
-            x = self.rms_norm(h, layer.post_attention_norm)
-            gate_up = backend.linear(x, layer.w_gate_up)                  # [T, 2·inter]
-            gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
-            h = h + backend.linear(self.silu(gate) * up, layer.w_down)
+        for block, kv_cache in zip(self.layers, kv_caches):
+            h = h + self.attention(block.attention, self.rms_norm(h, block.input_norm),
+                                   cos, sin, kv_cache, attn)
+            h = h + self.mlp(block.mlp, self.rms_norm(h, block.post_attention_norm))
         if logits_indices is not None:
             h = h[logits_indices]
-        logits = backend.linear(self.rms_norm(h, self.final_norm), self.lm_head)
+        logits = self.backend.linear(self.rms_norm(h, self.final_norm), self.lm_head)
         # A dtype is host-side metadata: checking it reads nothing back from the device.
         assert logits.dtype == self.dtype, f"forward promoted {self.dtype} to {logits.dtype}"
-        return logits.astype(xp.float32, copy=False)  # only the logits are upcast
+        return logits.astype(self.xp.float32, copy=False)  # only the logits are upcast
+
+    def attention(self, w: Attention, x, cos, sin, kv_cache, attn):
+        """One layer's attention of x [T, hidden] (module docstring): its K/V are written
+        into `kv_cache` = (k_cache, v_cache), then every query attends its sequence's
+        cached context. Returns [T, hidden]."""
+        c, backend = self.config, self.backend
+        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = backend.linear(x, w.w_qkv)                              # [T, (H + 2Hkv)·D]
+        if w.b_qkv is not None:
+            qkv = qkv + w.b_qkv
+        # q and k heads side by side: one rope call rotates both.
+        qk = self.rope(qkv[:, :(H + Hkv) * D].reshape(-1, H + Hkv, D), cos, sin)
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, (H + Hkv) * D:].reshape(-1, Hkv, D)
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        o = backend.paged_attention(q, k_cache, v_cache, attn, self.scale)   # [T, H, D]
+        o = backend.linear(o.reshape(-1, H * D), w.w_o)
+        return o if w.b_o is None else o + w.b_o
+
+    def mlp(self, w: MLP, x):
+        """The gated MLP of x [T, hidden]: down(silu(gate(x)) * up(x))."""
+        gate_up = self.backend.linear(x, w.w_gate_up)                 # [T, 2·intermediate]
+        inter = self.config.intermediate_size
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        return self.backend.linear(self.silu(gate) * up, w.w_down)

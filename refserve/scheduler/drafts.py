@@ -4,7 +4,7 @@ Draft tokens never live on a `Sequence`: `seq.token_ids` holds accepted tokens o
 prefix hashing, the stop rules and the n-gram lookup only ever see accepted tokens. A draft
 exists for exactly one engine step, and travels through it as a value:
 
-    1. PROPOSE   engine.propose() -> Proposals          refserve/speculation/speculator.py
+    1. PROPOSE   engine.propose() -> Proposals          refserve/spec_decode/speculator.py
                  {seq_id: Proposal(token_ids, draft_probs)} for each decode-ready sequence
     2. TRIM      scheduler.schedule(proposals)           scheduler/scheduler.py: _plan_row
                  `drafts_that_fit` says how many drafts the row's token budget leaves room
@@ -12,7 +12,7 @@ exists for exactly one engine step, and travels through it as a value:
                  row.draft_token_ids = the first n drafts, row.num_logits = n + 1. A draft
                  that did not fit is simply never computed; a row whose slots do not fit
                  drops its drafts before anyone is preempted.
-    3. VERIFY    engine.sample(out, logits, proposals)   refserve/speculation/verify.py
+    3. VERIFY    engine.sample(out, logits, proposals)   refserve/spec_decode/verify.py
                  the target's n + 1 distributions p and the drafts' q (`verify_inputs`)
                  go to backend.rejection_sample: accepted drafts + one recovered or bonus
                  token come back in SampledTokens.token_ids.
@@ -58,6 +58,7 @@ class Proposal:
 
 
 Proposals = dict  # seq_id -> Proposal: one step's drafts, the propose stage's result
+NO_PROPOSALS: Proposals = {}  # a step without speculative decoding
 
 
 def drafts_that_fit(num_drafts: int, real_left: int, budget: int) -> int:

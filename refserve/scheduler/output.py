@@ -3,8 +3,8 @@ the engine hands back once the model ran (`SampledTokens`), and what `update` ma
 (`StepUpdate`).
 
 A row is "q query tokens over a paged context": `seq` computes the tokens at positions
-[start, start + num_tokens) of `seq.token_ids + row.draft_token_ids`. Its last `num_logits`
-rows need logits:
+[start, start + num_scheduled_tokens) of `seq.token_ids + row.draft_token_ids`. Its last
+`num_logits` rows need logits:
 
     num_logits = 0      a prefill chunk that does not reach the end of the prompt, or a
                         static-batching padding row (`SchedulerOutput.padding`)
@@ -18,7 +18,7 @@ Printing a `SchedulerOutput` shows the step as a table (the notebooks do exactly
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from refserve.kv_cache.kv_cache_manager import BlockCounts
 
@@ -28,9 +28,21 @@ if TYPE_CHECKING:
     from refserve.sequence import Sequence
 
 
+class RowPlan(NamedTuple):
+    """A sequence's next row as `Scheduler._plan_row` plans it, before its slots are
+    allocated (the `ScheduledSequence` it becomes is below)."""
+
+    start: int                    # first position computed (prefix-cache hits skipped)
+    num_scheduled_tokens: int     # query tokens, drafts included
+    computed_blocks: list[int]    # prefix-cache hit blocks to attach (first allocation)
+    drafts: tuple[int, ...]       # the drafts the row verifies after its real tokens
+
+
 @dataclass
 class ScheduledSequence:
-    """One row of a step: `seq` computes query tokens [start, start + num_tokens).
+    """One row of a step: `seq` computes query tokens [start, start + num_scheduled_tokens).
+(`num_scheduled_tokens` is this step's count for the row; `seq.num_tokens` is the
+sequence's total.)
 
     num_logits  how many of the row's last query tokens need logits (see the module
                 docstring); 0 for a prefill chunk or padding.
@@ -40,20 +52,20 @@ class ScheduledSequence:
                 (scheduler/drafts.py); () for every other row.
 
     Invariant (the scheduler builds every row in one place, `Scheduler._add_row`):
-    num_tokens >= 1, 0 <= num_logits <= num_tokens, and a row with drafts verifies all of
-    them: num_logits == len(draft_token_ids) + 1.
+    num_scheduled_tokens >= 1, 0 <= num_logits <= num_scheduled_tokens, and a row with
+    drafts verifies all of them: num_logits == len(draft_token_ids) + 1.
     """
 
     seq: Sequence
-    num_tokens: int
     start: int
+    num_scheduled_tokens: int
     num_logits: int
     block_ids: list[int] = field(default_factory=list)
     draft_token_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
-        return self.start + self.num_tokens
+        return self.start + self.num_scheduled_tokens
 
     @property
     def kind(self) -> str:
@@ -62,7 +74,7 @@ class ScheduledSequence:
             return "chunk"
         if self.num_logits > 1:
             return "verify"
-        if self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens:
+        if self.num_scheduled_tokens == 1 and self.start >= self.seq.num_prompt_tokens:
             return "decode"
         return "prefill"
 
@@ -79,7 +91,8 @@ class SchedulerOutput:
     block_copies           copy-on-write (src, dst) block pairs to copy before the forward
     swap_out / swap_in     swap preemption's (device, host) / (host, device) block copies,
                            run before block_copies (scheduler/swapping.py)
-    num_batched_tokens     sum of num_tokens over `scheduled` (<= max_num_batched_tokens)
+    num_batched_tokens     sum of num_scheduled_tokens over `scheduled` and `padding`
+                           (<= max_num_batched_tokens)
     The remaining fields are the seats and limits, and the pool after scheduling (`blocks`),
     for printing.
     """
@@ -96,7 +109,7 @@ class SchedulerOutput:
     max_num_batched_tokens: int = 0
     num_seats_used: int = 0
     max_num_seqs: int = 0
-    blocks: BlockCounts = BlockCounts(0, 0, 0, 0)
+    blocks: BlockCounts = BlockCounts(held=0, evictable=0, free=0, total=0)
 
     @property
     def num_logits(self) -> int:
@@ -122,7 +135,7 @@ class SchedulerOutput:
             positions = f"[{row.start}, {row.end})"
             drafts = f"  drafts {list(row.draft_token_ids)}" if row.draft_token_ids else ""
             lines.append(f"  {row.seq.seq_id:>4}  {row.seq.request_id:<12.12}  {kind:<7}"
-                         f"  {row.num_tokens:>6}  {positions:<13}  {row.num_logits:>6}  "
+                         f"  {row.num_scheduled_tokens:>6}  {positions:<13}  {row.num_logits:>6}  "
                          f"{_short(row.block_ids)}{drafts}")
         lines.append(f"  budget {self.num_batched_tokens}/{self.max_num_batched_tokens} tokens"
                      f" | seats {self.num_seats_used}/{self.max_num_seqs}"

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from refserve.scheduler.drafts import Proposal
+from refserve.scheduler.drafts import NO_PROPOSALS, Proposal
 from refserve.scheduler.output import SchedulerOutput
-from refserve.scheduler.scheduler import NO_PROPOSALS, Scheduler
+from refserve.scheduler.scheduler import Scheduler
 
 
 class PrefillFirstScheduler(Scheduler):

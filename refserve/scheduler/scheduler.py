@@ -12,36 +12,26 @@ next query tokens. `schedule()` does, in this order:
              1 + k for a verify. Its KV slots come from `kv.allocate_slots`.
     PREEMPT  while allocate_slots(...) is None (the pool is short): a verify row first drops
              its drafts; then the LAST running sequence is preempted: the newest
-             ("priority": the least urgent, newest among equals), never one already served
-             this step. By recompute: its blocks are freed and it goes back to the HEAD of
-             the waiting queue with its tokens kept, to be prefilled again. By swap
-             (preemption_mode="swap", swapping.py): its KV goes to the host pool and comes
-             back on readmission. The newest has the least work to lose and arrived last,
-             so the oldest requests keep progressing.
+             ("priority": the least urgent), never one already served this step. Its blocks
+             are released and it waits at the HEAD of the queue with its tokens kept: by
+             recompute its KV is forgotten and prefilled again; by swap
+             (preemption_mode="swap", swapping.py) it goes to the host pool and comes back.
+             The newest has the least work to lose, so the oldest requests keep progressing.
     ADMIT    waiting sequences in the policy's order (fcfs: the queue as it stands), while
              the seats (max_num_seqs), the token budget (max_num_batched_tokens) and the
              pool allow. The first that does not fit stops admission: nobody skips ahead
              except by the policy's order. Admission never preempts, and a step that had to
              preempt admits nobody (the pool just proved short).
 
-The schedule above is vLLM's mixed one (enable_chunked_prefill=True): the decodes go first
-and prefill chunks fill what is left of the budget. vLLM V0's prefill-first schedule is
-prefill_first.py's subclass.
+This is vLLM's mixed schedule (enable_chunked_prefill=True): decodes first, prefill chunks
+in what is left of the budget; vLLM V0's prefill-first one is prefill_first.py's subclass.
 
-`update()` then applies the computed step (UPDATE below) and RETIRES finished sequences,
-which give their seats and blocks back in the same step, so the next `schedule()` refills
-them. `update` is the ONLY place a sequence finishes (abort, the user's call, is the only
-other way out) and the only place `num_computed_tokens` advances (preemption by recompute
-resets it).
-
-Limits of one step (both hold for every `SchedulerOutput`):
-
-    token budget  sum of scheduled query tokens <= max_num_batched_tokens
-    seats         sum of seq.num_seats over running sequences <= max_num_seqs
-                  (a parent of an n > 1 request that has not forked yet holds n seats)
-
-Slot-steps (one seat for one step) are *used* by a real sequence and *wasted* on a finished
-one computed as padding (static batching only, static_runner.py).
+`update()` then applies the computed step (UPDATE) and RETIRES finished sequences, which
+give their seats and blocks back in the same step, so the next `schedule()` refills them.
+`update` is the ONLY place a sequence finishes (abort, the user's call, is the only other
+way out) and the only place `num_computed_tokens` advances (preemption by recompute resets
+it). Outside a step, `add_sequence` queues a sequence, `abort` stops one, and `fork` gives
+a parallel-sampling parent its children.
 """
 
 from __future__ import annotations
@@ -49,41 +39,31 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Mapping
-from typing import NamedTuple
 
 from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.scheduler.drafts import Proposal, count_verified, drafts_that_fit
-from refserve.scheduler.fits import check_scheduler_args
-from refserve.scheduler.forking import Forking
-from refserve.scheduler.intake import Intake
-from refserve.scheduler.output import SampledTokens, ScheduledSequence, SchedulerOutput, StepUpdate
+from refserve.scheduler.drafts import NO_PROPOSALS, Proposal, count_verified, drafts_that_fit
+from refserve.scheduler.fits import check_fits, check_scheduler_args
+from refserve.scheduler.output import (
+    RowPlan,
+    SampledTokens,
+    ScheduledSequence,
+    SchedulerOutput,
+    StepUpdate,
+)
 from refserve.scheduler.scheduling_policy import SchedulingPolicy, make_policy
-from refserve.scheduler.step_retry import last_per_destination, redo
+from refserve.scheduler.step_retry import admissions_to_undo, carry_over
 from refserve.scheduler.swapping import Swapper
 from refserve.sequence import Sequence, SequenceStatus, append_tokens
 
-NO_PROPOSALS: Mapping[int, Proposal] = {}
 
-
-class RowPlan(NamedTuple):
-    """A sequence's next row, before its slots are allocated."""
-
-    start: int                    # first position computed (prefix-cache hits skipped)
-    num_tokens: int               # query tokens, drafts included
-    computed_blocks: list[int]    # prefix-cache hit blocks to attach (first allocation)
-    drafts: tuple[int, ...]       # the drafts the row verifies after its real tokens
-
-
-class Scheduler(Intake, Forking):
-    """Continuous batching (see the module docstring).
-
-    Invariants between calls:
-      * `waiting` (FIFO, head first) holds WAITING sequences; none of them holds blocks.
-      * `running` holds RUNNING sequences in budget order (oldest first; "priority": most
-        urgent first), so its last is the preemption victim; sum of num_seats <= max_num_seqs.
-      * finished sequences are in neither queue (static batching keeps them in `padding`
-        until their batch ends).
+class Scheduler:
+    """Continuous batching (see the module docstring). Invariants between calls:
+      * `waiting` (head first) holds WAITING sequences, none holding blocks; `running`
+        holds RUNNING ones in ADVANCE order, so its last is the preemption victim;
+        finished ones are in neither (static batching keeps them in `padding`).
+      * seats: sum of seq.num_seats over `running` <= max_num_seqs (a parent of an n > 1
+        request holds n until it forks); each step's query tokens <= max_num_batched_tokens.
     """
 
     batching = "continuous"
@@ -107,7 +87,6 @@ class Scheduler(Intake, Forking):
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = (scheduling_policy if isinstance(scheduling_policy, SchedulingPolicy)
                        else make_policy(scheduling_policy))
-        self.preemption_mode = preemption_mode
         self.swapper = Swapper(host_pool, kv_cache_manager) if host_pool is not None else None
 
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -115,17 +94,13 @@ class Scheduler(Intake, Forking):
         self._by_id: dict[int, Sequence] = {}  # every unfinished sequence
         self._pending: SchedulerOutput | None = None  # scheduled, not yet updated
         self._riders: dict[int, list[Sequence]] = {}  # parent id -> children forked mid-step
-        # Sequence ids are per scheduler (so per engine): re-running a notebook cell or a
-        # test gives the same ids.
-        self._seq_ids = itertools.count()
+        self._seq_ids = itertools.count()  # per scheduler: a rerun gives the same ids
 
         self.num_steps = 0
-        self.slot_steps_used = 0
+        self.slot_steps_used = 0    # slot-steps: refserve/metrics.py
         self.slot_steps_wasted = 0
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed tokens whose KV recompute preemption dropped
-
-    # ---- queries ------------------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
@@ -143,15 +118,49 @@ class Scheduler(Intake, Forking):
         return bool(self.waiting or self.running)
 
     def new_seq_id(self) -> int:
-        """The next sequence id of this scheduler (0, 1, 2, ...)."""
         return next(self._seq_ids)
 
-    # ---- one step -----------------------------------------------------------------------
+    # ---- sequences in and out, from outside a step ----------------------------------------
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a new sequence at the tail of `waiting`, with an id if it has none.
+        ValueError if it could never run (fits.py)."""
+        if seq.seq_id is not None and seq.seq_id in self._by_id:
+            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}, not waiting")
+        self.check_fits(seq.num_tokens, seq.num_seats)
+        if seq.seq_id is None:
+            seq.seq_id = self.new_seq_id()
+        self._by_id[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def check_fits(self, num_prompt_tokens: int, num_seats: int = 1) -> None:
+        """Raise ValueError if a prompt could never run here (fits.py)."""
+        check_fits(self, num_prompt_tokens, num_seats)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Stop a waiting, preempted or running sequence now; its blocks are freed at once.
+        Returns the sequence, or None if no unfinished sequence has this id."""
+        seq = self._by_id.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            if self.swapper is not None:
+                self.swapper.release(seq)
+        else:
+            self.running.remove(seq)
+            self.kv_cache_manager.release(seq)
+            self._on_running_left()
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        return seq
+
+    # ---- one step: schedule ------------------------------------------------------------
 
     def schedule(self, proposals: Mapping[int, Proposal] = NO_PROPOSALS) -> SchedulerOutput:
-        """One step's decision: ADVANCE running sequences (preempting the newest while the
-        pool is short), then ADMIT waiting ones unless this step preempted. `proposals`:
-        this step's drafts by seq_id (they ride the rows they fit, drafts.py)."""
+        """One step's decision (module docstring). `proposals`: this step's drafts by
+        seq_id (they ride the rows they fit, drafts.py)."""
         out = self._begin_step()
         budget = self._advance(out, self.max_num_batched_tokens, proposals)
         if self.waiting and not out.preempted:
@@ -161,8 +170,8 @@ class Scheduler(Intake, Forking):
     def _advance(self, out: SchedulerOutput, budget: int,
                  proposals: Mapping[int, Proposal] = NO_PROPOSALS,
                  seqs: list[Sequence] | None = None) -> int:
-        """ADVANCE every running sequence (or those of `seqs`, in running order), in order,
-        while budget is left (module docstring). Returns the budget left."""
+        """ADVANCE the running sequences (or `seqs`) while budget is left; returns what is
+        left."""
         for seq in list(self.running) if seqs is None else seqs:
             if budget <= 0:
                 break
@@ -171,7 +180,7 @@ class Scheduler(Intake, Forking):
             proposal = proposals.get(seq.seq_id)
             plan = self._plan_row(seq, budget, proposal.token_ids if proposal else ())
             while (copies := self.kv_cache_manager.allocate_slots(
-                    seq, plan.num_tokens, plan.computed_blocks)) is None:
+                    seq, plan.num_scheduled_tokens, plan.computed_blocks)) is None:
                 if plan.drafts:  # speculation is optional: drop the drafts before preempting
                     plan = self._plan_row(seq, budget)
                     continue
@@ -188,15 +197,13 @@ class Scheduler(Intake, Forking):
                     return budget  # seq was the last of the running order: nobody is left
                 # END EXERCISE
             self._add_row(seq, plan, copies, out)
-            budget -= plan.num_tokens
+            budget -= plan.num_scheduled_tokens
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """ADMIT waiting sequences in the policy's order (fcfs: from the head): the FIRST of
-        the order joins `running` if a seat is free, budget is left and the pool holds its
-        first row (after prefix-cache hits); otherwise admission stops for this step. The
-        admitted leave `waiting`, and the policy hears of the round (lpm's guard counts it).
-        Called only while some sequence waits."""
+        """ADMIT waiting sequences (module docstring) while the first of the policy's order
+        fits; the admitted leave `waiting`, and the policy hears of the round (lpm's guard
+        counts it). Called only while some sequence waits."""
         queue = list(self.waiting)
         order = self.policy.order(queue, self.kv_cache_manager.prefix_match_length)
         admitted: list[Sequence] = []
@@ -215,7 +222,7 @@ class Scheduler(Intake, Forking):
             self.running.insert(self.policy.running_index(self.running, seq), seq)
             seats_used += seq.num_seats
             out.admitted.append(seq.seq_id)
-            budget -= plan.num_tokens
+            budget -= plan.num_scheduled_tokens
         # END EXERCISE
         if admitted:
             left = {seq.seq_id for seq in admitted}
@@ -225,7 +232,8 @@ class Scheduler(Intake, Forking):
     def _plan_row(self, seq: Sequence, budget: int, drafts: tuple[int, ...] = ()) -> RowPlan:
         """`seq`'s next row under `budget` (module docstring, ADVANCE). A sequence that holds
         no blocks (a WAITING one, being admitted) first looks up its prefix-cache hits,
-        unless it resumes from swap with its own KV. Pure: changes nothing."""
+        unless it resumes from swap with its own KV. Changes no sequence and takes no block
+        (the radix tree's lookup may split a node and marks the hit path used)."""
         kv = self.kv_cache_manager
         admitting = seq.status is SequenceStatus.WAITING and not self._is_swapped_out(seq)
         computed_blocks = kv.get_computed_blocks(seq)[0] if admitting else []
@@ -234,44 +242,40 @@ class Scheduler(Intake, Forking):
         if 0 < self.long_prefill_token_threshold < budget:
             budget = self.long_prefill_token_threshold  # a long prefill leaves budget over
         drafts = drafts[:drafts_that_fit(len(drafts), real_left, budget)] if drafts else ()
-        num_tokens = min(real_left, budget) + len(drafts)
-        assert num_tokens >= 1, f"{seq} has nothing left to compute"
-        return RowPlan(start, num_tokens, computed_blocks, drafts)
+        num_scheduled_tokens = min(real_left, budget) + len(drafts)
+        assert num_scheduled_tokens >= 1, f"{seq} has nothing left to compute"
+        return RowPlan(start=start, num_scheduled_tokens=num_scheduled_tokens,
+                       computed_blocks=computed_blocks, drafts=drafts)
 
     def _allocate_admitted(self, seq: Sequence, plan: RowPlan, out: SchedulerOutput
                            ) -> list[tuple[int, int]] | None:
-        """allocate_slots for a sequence being admitted; one swapped out first gets its KV
-        back (swapping.py). None: the pool is short, nothing changed."""
+        """allocate_slots, a swapped-out sequence's KV brought back first (swapping.py)."""
         if self._is_swapped_out(seq):
-            return self.swapper.swap_in(seq, plan.num_tokens, out)
-        return self.kv_cache_manager.allocate_slots(seq, plan.num_tokens, plan.computed_blocks)
+            return self.swapper.swap_in(seq, plan.num_scheduled_tokens, out)
+        return self.kv_cache_manager.allocate_slots(seq, plan.num_scheduled_tokens,
+                                                    plan.computed_blocks)
 
     def _add_row(self, seq: Sequence, plan: RowPlan, copies: list[tuple[int, int]],
                  out: SchedulerOutput) -> None:
-        """Record seq's row (its slots are allocated). A row computes positions [start, end)
-        of token_ids + drafts and needs logits for those at or after the last real token,
-        once it reaches the end of token_ids + drafts: 1 for a decode or the last prefill
-        chunk, k + 1 for a verify of k drafts, 0 for a prefill chunk."""
-        end = plan.start + plan.num_tokens
+        """Record seq's row, its slots allocated. Its num_logits (output.py): the positions
+        at or after the last real token, once the row reaches the end of token_ids + drafts."""
+        end = plan.start + plan.num_scheduled_tokens
         last = seq.num_tokens + len(plan.drafts)
         num_logits = end - max(plan.start, seq.num_tokens - 1) if end == last else 0
         if seq.num_cached_tokens is None:  # vLLM's: the hit of the FIRST scheduling
             seq.num_cached_tokens = len(plan.computed_blocks) * self.kv_cache_manager.block_size
         out.block_copies.extend(copies)
         out.scheduled.append(ScheduledSequence(
-            seq, plan.num_tokens, plan.start, num_logits,
-            block_ids=self.kv_cache_manager.get_block_ids(seq.seq_id),
+            seq=seq, start=plan.start, num_scheduled_tokens=plan.num_scheduled_tokens,
+            num_logits=num_logits, block_ids=self.kv_cache_manager.get_block_ids(seq.seq_id),
             draft_token_ids=plan.drafts))
 
     def _is_swapped_out(self, seq: Sequence) -> bool:
         return self.swapper is not None and self.swapper.is_swapped_out(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Preemption by recompute: release every block, forget the computed KV, and put the
-        sequence at the HEAD of the waiting queue; its tokens stay in seq.token_ids and are
-        prefilled again on readmission. By swap (when the host pool has room): the blocks
-        are released too, but their KV is copied to the host pool first and
-        num_computed_tokens is kept (swapping.py)."""
+        """PREEMPT `seq` (module docstring); swap falls back to recompute when the host pool
+        is full."""
         self.running.remove(seq)
         kv = self.kv_cache_manager
         if self.swapper is None or not kv.has_sequence(seq.seq_id) or not self.swapper.defer(seq):
@@ -290,26 +294,32 @@ class Scheduler(Intake, Forking):
         failed), this step plans its work again (step_retry.py)."""
         out = SchedulerOutput(step=self.num_steps, max_num_seqs=self.max_num_seqs,
                               max_num_batched_tokens=self.max_num_batched_tokens)
-        failed, self._pending, self._riders = self._pending, None, {}
+        failed = self._pending  # scheduled and never updated: the step failed
+        self._pending = None
+        self._riders = {}
         if failed is not None:
-            redo(self, failed, out)
+            for seq in admissions_to_undo(failed):
+                self.running.remove(seq)
+                self.kv_cache_manager.release(seq)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+            carry_over(failed, out, self.kv_cache_manager.allocator,
+                       None if self.swapper is None else self.swapper.host_pool)
         return out
 
     def _end_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The output completed (swaps, counts, the pool), checked and counted."""
         if self.swapper is not None:
             self.swapper.flush(out)  # this step's victims, in one swap_out
-            # A carried copy whose destination this step reused is moot: the last wins.
-            out.swap_out[:] = last_per_destination(out.swap_out)
-            out.swap_in[:] = last_per_destination(out.swap_in)
         out.blocks = self.kv_cache_manager.block_counts()
         if not out.scheduled and self.has_unfinished():
             # Cannot happen while add_sequence keeps every prompt within the pool; fail
             # loudly rather than let a caller's `while has_unfinished()` spin forever.
             raise RuntimeError(
                 f"the scheduler could schedule nothing with {self.num_waiting} waiting and "
-                f"{self.num_running} running sequences ({out.blocks.free + out.blocks.evictable}"
-                f" of {out.blocks.total} blocks free or evictable)")
-        out.num_batched_tokens = sum(row.num_tokens for row in out.scheduled + out.padding)
+                f"{self.num_running} running sequences and {out.blocks} in the pool")
+        out.num_batched_tokens = sum(row.num_scheduled_tokens
+                                     for row in out.scheduled + out.padding)
         out.num_seats_used = self.num_seats_used
         assert out.num_batched_tokens <= out.max_num_batched_tokens
         assert out.num_seats_used <= out.max_num_seqs
@@ -320,28 +330,21 @@ class Scheduler(Intake, Forking):
             self._pending = out
         return out
 
-    # ---- after the forward --------------------------------------------------------------
+    # ---- one step: update, after the forward ---------------------------------------------
 
     def update(self, output: SchedulerOutput,
                sampled: SampledTokens | dict[int, list[int]]) -> StepUpdate:
-        """UPDATE: apply one computed step; return what it decided (a `StepUpdate`).
-
-        `output` must be the latest `schedule()` result (one never applied is abandoned by
-        the next `schedule()`, which plans its work again). `sampled` is a `SampledTokens`
-        (or just its `token_ids` dict). First the children of parallel-sampling parents
-        are forked (`sampled.children`, forking.py), each with its own generator and first
-        token. Then, for each row's sequence (and the children riding its row):
+        """UPDATE: apply `output`, the latest `schedule()` result, with `sampled` (or its
+        `token_ids` dict); return what it decided. First parallel-sampling children are
+        forked (`fork`); then each row's sequence and riders, unless aborted since:
 
             append the sampled token(s) one by one under the stop rules (sequence.py);
                 a stop inside a verify row's run drops the tokens after it
-            num_computed_tokens = row.start + row.num_tokens, after a sampling row at most
-                num_tokens - 1: the last appended token has no K/V yet, and neither have
-                the positions past it (rejected drafts, tokens after a stop), whose blocks
-                go back to the pool (kv.trim)
-
-        then newly full blocks go to the prefix cache, and a finished sequence is RETIRED:
-        it leaves `running` and releases its blocks now (static batching: at batch end).
-        Sequences aborted after `schedule()` are skipped.
+            num_computed_tokens = row.end, after a sampling row at most num_tokens - 1: the
+                last appended token has no K/V yet, and neither have the positions past
+                it (rejected drafts, tokens after a stop: drafts.py rolls them back)
+            newly full blocks go to the prefix cache; a finished sequence is RETIRED: it
+                leaves `running` and releases its blocks now (static batching: later)
         """
         if output.scheduled and output is not self._pending:
             raise ValueError(f"update() got step {output.step}, which is not the output of "
@@ -373,7 +376,7 @@ class Scheduler(Intake, Forking):
             for seq in [row.seq, *riders.get(row.seq.seq_id, [])]:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue  # aborted since schedule()
-                computed = row.start + row.num_tokens
+                computed = row.start + row.num_scheduled_tokens
                 status = None
                 if row.num_logits:
                     before = seq.num_output_tokens
@@ -394,6 +397,40 @@ class Scheduler(Intake, Forking):
                     result.retired.append(seq)
         return result
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Parallel sampling: `child` (made by `parent.fork()`) shares every block of the
+        running `parent` (copy-on-write) and runs right after it and its earlier children;
+        the parent's n seats become 1 + one per child. Forked between `schedule()` and
+        `update()` (as `update` forks `SampledTokens.children`), the child rides that step
+        (`_riders`). Everything is checked before anything changes."""
+        if self._by_id.get(parent.seq_id) is not parent or parent not in self.running:
+            raise ValueError(f"fork: parent {parent.seq_id} is not running")
+        if not self.kv_cache_manager.has_sequence(parent.seq_id):
+            raise ValueError(f"fork: parent {parent.seq_id} has not been computed yet")
+        if child.seq_id is None:
+            child.seq_id = self.new_seq_id()
+        if child.seq_id in self._by_id:
+            raise ValueError(f"fork: sequence {child.seq_id} is already scheduled")
+        rides = self._pending is not None and any(
+            row.seq is parent for row in self._pending.scheduled)
+        if rides and (child.num_computed_tokens != parent.num_computed_tokens
+                      or child.token_ids != parent.token_ids):
+            raise ValueError(f"fork between schedule() and update(): child {child.seq_id} "
+                             "must copy the parent as scheduled (parent.fork() does)")
+        # Validated: from here on nothing can fail.
+        self.kv_cache_manager.fork(parent, child)
+        parent.awaiting_fork = False
+        child.awaiting_fork = False
+        child.status = SequenceStatus.RUNNING
+        index = self.running.index(parent) + 1
+        while (index < len(self.running)
+               and self.running[index].request_id == parent.request_id):
+            index += 1
+        self.running.insert(index, child)
+        self._by_id[child.seq_id] = child
+        if rides:
+            self._riders.setdefault(parent.seq_id, []).append(child)
+
     def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
         """RETIRE (called by `update` only): a finished sequence leaves the running batch
         in the step it finished."""
@@ -404,8 +441,7 @@ class Scheduler(Intake, Forking):
         self._on_running_left()
 
     def _on_retired(self, seq: Sequence) -> None:
-        """Hook: what happens to a retired sequence's blocks. Continuous batching releases
-        them now (static batching keeps them until its batch ends)."""
+        """Hook: a retired sequence's blocks are released now (static batching: later)."""
         self.kv_cache_manager.release(seq)
 
     def _on_running_left(self) -> None:

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 
 from refserve.capacity import blocks_for_tokens
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
-from refserve.scheduler.drafts import Proposal
+from refserve.scheduler.drafts import NO_PROPOSALS, Proposal
 from refserve.scheduler.output import ScheduledSequence, SchedulerOutput
-from refserve.scheduler.scheduler import NO_PROPOSALS, Scheduler
+from refserve.scheduler.scheduler import Scheduler
 from refserve.sequence import Sequence, SequenceStatus
 
 
@@ -51,8 +51,8 @@ class StaticScheduler(Scheduler):
             if budget == 0 or seq.num_computed_tokens == 0:
                 continue
             out.padding.append(ScheduledSequence(
-                seq, 1, seq.num_computed_tokens - 1, num_logits=0,
-                block_ids=kv.get_block_ids(seq.seq_id)))  # a copy already
+                seq=seq, start=seq.num_computed_tokens - 1, num_scheduled_tokens=1,
+                num_logits=0, block_ids=kv.get_block_ids(seq.seq_id)))  # a copy already
             budget -= 1
         return self._end_step(out)
 

@@ -2,11 +2,11 @@
 
 If a stage after `schedule()` fails (the forward or sampling raised), `update()` never runs
 for that output. Nothing was computed, and the next `schedule()` plans the same work again
-(`redo`). The sequences the failed step admitted computed nothing: they go back to the head
-of the waiting queue and give their blocks back (their prefix-cache hits are found again),
-unless they came back from swap, whose KV lives on their device blocks now. The others keep
-their blocks. The failed step's copies may not have run, so they are carried over, but only
-while their destination is still held:
+(`Scheduler._begin_step`). The sequences the failed step admitted computed nothing: they go
+back to the head of the waiting queue and give their blocks back (their prefix-cache hits
+are found again), unless they came back from swap, whose KV lives on their device blocks
+now. The others keep their blocks. The failed step's copies may not have run, so they are
+carried over, but only while their destination is still held:
 
     copy-on-write (src, dst)   while ref_count(dst) > 0 in the device pool
     swap-out (device, host)    while the host block is still held by a host table
@@ -31,22 +31,18 @@ if TYPE_CHECKING:
     from refserve.kv_cache.block_allocator import BlockAllocator
     from refserve.kv_cache.host_pool import HostBlockPool
     from refserve.scheduler.output import SchedulerOutput
+    from refserve.sequence import Sequence
 
 
-def redo(scheduler, failed: SchedulerOutput, out: SchedulerOutput) -> None:
-    """Undo the admissions of the unapplied step `failed` and carry its standing copies into
-    `out` (module docstring). `scheduler`: the Scheduler, whose queues change."""
-    kv = scheduler.kv_cache_manager
-    for seq_id in reversed(failed.admitted):
-        seq = scheduler._by_id.get(seq_id)
-        if seq is not None and seq.status is SequenceStatus.RUNNING and \
-                seq.num_computed_tokens == 0:  # a swapped-in one keeps its KV
-            scheduler.running.remove(seq)
-            kv.release(seq)
-            seq.status = SequenceStatus.WAITING
-            scheduler.waiting.appendleft(seq)
-    swapper = scheduler.swapper
-    carry_over(failed, out, kv.allocator, swapper.host_pool if swapper is not None else None)
+def admissions_to_undo(failed: SchedulerOutput) -> list[Sequence]:
+    """The sequences the unapplied step `failed` admitted that must wait again (module
+    docstring), newest first: each goes back to the head of the waiting queue in turn, so
+    they keep their order. Not a sequence aborted since, nor one that came back from swap
+    (its KV lives on its device blocks now)."""
+    admitted = set(failed.admitted)
+    return [row.seq for row in reversed(failed.scheduled)
+            if row.seq.seq_id in admitted and row.seq.status is SequenceStatus.RUNNING
+            and row.seq.num_computed_tokens == 0]
 
 
 def carry_over(failed: SchedulerOutput, out: SchedulerOutput, allocator: BlockAllocator,

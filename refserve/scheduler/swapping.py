@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from refserve.capacity import blocks_for_tokens
 from refserve.kv_cache.host_pool import HostBlockPool
+from refserve.scheduler.step_retry import last_per_destination
 
 if TYPE_CHECKING:
     from refserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -74,11 +75,15 @@ class Swapper:
 
     def flush(self, out: SchedulerOutput) -> None:
         """Give this step's victims host tables in one call; their (device, host) copies
-        go to out.swap_out, for the copy_blocks stage."""
+        go to out.swap_out, for the copy_blocks stage. A copy carried from a step never
+        applied (step_retry.py) whose destination this step reused is moot: the last of a
+        destination's copies wins."""
         if self._pending:
             out.swap_out.extend(self.host_pool.swap_out(self._pending))
             self.num_swapped_out += len(self._pending)
             self._pending = {}
+        out.swap_out[:] = last_per_destination(out.swap_out)
+        out.swap_in[:] = last_per_destination(out.swap_in)
 
     def blocks_to_resume(self, seq: Sequence, num_new_tokens: int) -> int:
         """Device blocks readmitting a swapped-out seq with num_new_tokens takes: one per

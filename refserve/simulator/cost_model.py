@@ -107,9 +107,10 @@ class StepComposition:
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepComposition:
-        """The composition of a scheduler step: a row computes [start, start + num_tokens);
+        """The composition of a scheduler step: a row computes [start, start +
+        num_scheduled_tokens);
         static batching's padding rows cost what a decode row costs."""
-        return cls.from_rows((row.num_tokens, row.start + row.num_tokens, row.num_logits)
+        return cls.from_rows((row.num_scheduled_tokens, row.end, row.num_logits)
                              for row in out.scheduled + out.padding)
 
 

@@ -48,7 +48,7 @@ from refserve.simulator.engine_overheads import DEFAULT_ENGINE, EngineOverheads,
 from refserve.simulator.hardware import GpuProfile, ModelShape
 from refserve.simulator.outputs import SimulatedSpeculation, SyntheticOutputs, draft_model_shape
 from refserve.simulator.workload import SimRequest
-from refserve.speculation.registry import resolve as resolve_proposer
+from refserve.spec_decode.registry import resolve as resolve_proposer
 
 
 def resolve_dtype(dtype: str, gpu: GpuProfile, model: ModelShape) -> str:

@@ -14,9 +14,9 @@ probability alpha until the first rejection (Leviathan et al.). With n drafts in
 
 and the row emits A + 1 tokens: the accepted drafts and one recovered token, or the bonus
 token when all n passed. On average (1 - alpha^(n+1)) / (1 - alpha) tokens per verify row
-(`spec_decode.metrics.expected_tokens_per_pass`).
+(`metrics.expected_tokens_per_pass`).
 
-Everything else is the real engine's: `Speculator` (speculation/speculator.py) decides who
+Everything else is the real engine's: `Speculator` (spec_decode/speculator.py) decides who
 proposes and how many (decode-ready sequences, k capped by max_tokens and max_model_len,
 the adaptive rule of spec_decode/adaptive.py); `scheduler.schedule(proposals)` trims the
 drafts to the token budget and records them on the row (scheduler/drafts.py);
@@ -46,9 +46,9 @@ import numpy as np
 from refserve.scheduler.drafts import Proposal, Proposals
 from refserve.simulator.cost_model import CostModel, StepComposition
 from refserve.spec_decode.adaptive import CALIBRATION_ROWS, AdaptiveSpeculation, PassCost
-from refserve.speculation.proposer import Proposer
-from refserve.speculation.registry import resolve as resolve_proposer
-from refserve.speculation.speculator import Speculator
+from refserve.spec_decode.proposer import Proposer
+from refserve.spec_decode.registry import resolve as resolve_proposer
+from refserve.spec_decode.speculator import Speculator
 
 PASS_COST_CONTEXT = 512  # context length of the decode rows the adaptive rule's pass is priced at
 

@@ -91,14 +91,14 @@ class TraceRecorder:
             if decoding:
                 decode_rows += 1
             else:
-                prefill_tokens += row.num_tokens
+                prefill_tokens += row.num_scheduled_tokens
         for seq_id in out.preempted:
             rid = self._request_of.get(seq_id)
             if rid is not None:
                 self._enter(rid, "preempted", t_start)
                 self._running.discard(rid)
         for rid, (state, row) in scheduled.items():
-            args = {"tokens": row.num_tokens, "positions": f"[{row.start}, {row.end})"}
+            args = {"tokens": row.num_scheduled_tokens, "positions": f"[{row.start}, {row.end})"}
             self._enter(rid, state, t_start, new_span=state == "prefill", args=args)
             self._running.add(rid)
         for rid in self._running - scheduled.keys():

@@ -19,24 +19,28 @@ One verify step runs the target once over the k draft tokens x_1..x_k and emits,
 so every verify step emits accepted + 1 tokens, and those tokens are distributed exactly as if
 the target had sampled them one at a time.
 
-This package is the MATH, NumPy only, below the backends (a backend's rejection_sample op
-is rejection_sampler.py's contract):
+The math (NumPy only, below the backends: a backend's rejection_sample op is
+rejection_sampler.py's contract):
     rejection_sampler.py   the accept / residual-resample step (a backend op)
-    warping.py             temperature, top-k, top-p applied to both p and q before the test
+    warping.py             p and q: the sampler's own kept set and weights, normalised
     adaptive.py            how many drafts to propose per request (k adapts; 0 = stop)
-    metrics.py             proposed / accepted counts, acceptance rate, tokens per target pass
 
-The engine's use of it (orchestration, above the model runner) is refserve/speculation/:
-the proposers (n-gram prompt lookup, draft model; registry.py lists them), the propose stage
-and the verify step. A draft token's
-whole life, from proposal to rollback, is refserve/scheduler/drafts.py, and vLLM's
-`speculative_config` dict is refserve/speculative_config.py. One engine step with
-speculation is
+The engine's use of it (above the model runner):
+    speculator.py   the propose stage: who gets drafts and how many; the adaptive rule
+                    learns from every verify step
+    proposer.py     the proposer interface (what a new proposer provides)
+    registry.py     every proposer by speculative_config method: the engine and the
+                    simulator ask it
+    ngram.py        prompt lookup: drafts copied from earlier in the context
+    draft_model.py  the draft-model proposer: a smaller model, or the target's first N
+                    layers ("self"), with its own paged KV cache
+    verify.py       the verify step: warp p, draw uniforms in a documented order from the
+                    sequence's generator, call the backend's rejection_sample
+    cost_probe.py   what a dense forward of R rows costs (the adaptive rule's calibration)
 
-    proposals = engine.propose()             drafts for decode-ready sequences (values)
-    out = scheduler.schedule(proposals)      a verify row: the real token + the drafts that fit
-    prepare / copy_blocks / forward          a verify row is k + 1 query tokens
-    sampled = engine.sample(out, logits, proposals)   verify rows through speculation/verify.py
-    update = scheduler.update(out, sampled)  append accepted + 1 under the stop rules, roll
-                                             back the rest
+A draft token's whole life, from proposal to rollback, has one owner:
+refserve/scheduler/drafts.py. How well speculation pays (acceptance rate, mean accepted
+length, the expected tokens per target pass) is counted in refserve/metrics.py, and vLLM's
+`speculative_config` dict is refserve/speculative_config.py. Where speculation enters one
+engine step: LLMEngine.step's docstring (refserve/engine.py).
 """

@@ -1,8 +1,8 @@
 """Don't lose speed to speculation: per request, how many draft tokens to propose next.
 
 A verify step with k' drafts emits on average E(α, k') = (1 - α^(k'+1)) / (1 - α) tokens
-(Leviathan et al.; `metrics.expected_tokens_per_pass`) and costs, relative to a plain decode
-step of the same batch, about
+(Leviathan et al.; refserve/metrics.py, `expected_tokens_per_pass`) and costs, relative to
+a plain decode step of the same batch, about
 
     cost(0)  = 1
     cost(k') = pass(B · (1 + k')) / pass(B) + k' · (VERIFY_COST_PER_TOKEN + draft_cost_per_token)
@@ -18,7 +18,7 @@ few-row forms of the tuned CPU backend (refserve/backends/few_row_matmul.py; one
 loaded machine); at 8 running, 5 rows each are 40 rows, past the bandwidth floor. So pass is
 measured when the engine starts (`calibrate`: the target's dense products at
 CALIBRATION_ROWS up to the step's token budget, 27 passes, about half a second for SmolLM2
-on an idle 2-core CPU; the probe is refserve/speculation/cost_probe.py) and interpolated
+on an idle 2-core CPU; the probe is refserve/spec_decode/cost_probe.py) and interpolated
 (`PassCost`). A device backend, whose passes a host clock cannot time, keeps the theory:
 flat.
 VERIFY_COST_PER_TOKEN: each further query token's cost outside the dense products
@@ -84,7 +84,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refserve.spec_decode.metrics import expected_tokens_per_pass
+from refserve.metrics import expected_tokens_per_pass
 
 VERIFY_COST_PER_TOKEN = 0.05  # a further query token's cost outside the dense products
 PRIOR_ALPHA = 0.8             # α assumed before a request has been tested (optimistic: try)
@@ -123,7 +123,7 @@ FLAT = PassCost()   # the theory: a few-row pass costs what a 1-row pass does
 def measure_pass_cost(dense_seconds, max_rows: int) -> PassCost | None:
     """pass at CALIBRATION_ROWS up to `max_rows`, from `dense_seconds(rows, repeats)`
     ({rows: seconds per repeat} of every layer's and the lm_head's products, or None:
-    speculation/cost_probe.dense_seconds for the target), CALIBRATION_ROUNDS rounds over
+    spec_decode/cost_probe.dense_seconds for the target), CALIBRATION_ROUNDS rounds over
     the row counts: the minimum per row count (a shared machine only ever adds time), made
     non-decreasing (more rows never cost less). All layers are timed: a slice of them
     scaled up is cheaper but amplifies the noise (a 5-row pass came out 2.2x a 1-row

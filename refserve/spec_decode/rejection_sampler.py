@@ -15,7 +15,7 @@ q(x))) with probability max(0, p(y) - q(y)) / Σ_x max(0, p(x) - q(x)). Together
 min(p, q) + max(0, p - q) = p. `acceptance_probability` and `residual_distribution` are these
 two pieces, exposed so the tests compute the emission distribution from them exactly.
 
-Greedy (temperature 0) needs no special case: `warping.warp_probs` turns p and q into one-hot
+Greedy (temperature 0) needs no special case: `warping.warp` turns p and q into one-hot
 vectors at their argmax, so the test accepts x_i iff it is the target's argmax, and the
 residual max(0, p - q) of a rejected position is the target's argmax: exact match.
 

@@ -1,6 +1,6 @@
 """The proposal stage's interface: what every speculative decoding proposer is.
 
-The engine's first stage of a step (`LLMEngine.propose`, through speculation/speculator.py)
+The engine's first stage of a step (`LLMEngine.propose`, through spec_decode/speculator.py)
 asks its proposer for draft tokens for every running, decode-ready sequence
 (num_computed_tokens == num_tokens - 1: its next step would be a one-token decode):
 
@@ -10,8 +10,8 @@ A `Proposal` (scheduler/drafts.py, where a draft's whole life is told) carries t
 tokens x_1..x_n and the draft distributions q_1..q_n they were drawn from, already warped
 with the request's temperature / top-k / top-p (the rejection test must see the q the tokens
 really came from), or None when q is one-hot at each draft (n-gram). A proposer may keep
-state per sequence (a draft model's KV cache); `release` tells it which sequences are still
-alive, so it frees the rest (finished, aborted, preempted).
+state per sequence (a draft model's KV cache); `release_all_except` tells it which sequences
+are still alive, so it frees the rest (finished, aborted, preempted).
 
 A proposer is one file: a subclass that names its speculative_config `method` and its own
 `options` (keys with their defaults), checks them (`check_options`), and builds itself
@@ -72,5 +72,5 @@ class Proposer:
                 ) -> list[Proposal]:
         raise NotImplementedError
 
-    def release(self, live_seq_ids: set[int]) -> None:
+    def release_all_except(self, live_seq_ids: set[int]) -> None:
         """Forget every sequence not in `live_seq_ids`. Stateless proposers keep nothing."""

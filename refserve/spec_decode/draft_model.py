@@ -18,11 +18,11 @@ Proposing for a batch of target sequences (one batched draft forward per draft p
                   computed yet: the last accepted / recovered / bonus tokens; the whole
                   prompt for a new shadow) and samples x_1 from the last position's logits;
                   steps i = 1..n-1 decode x_i to sample x_{i+1}. Each x is drawn from the
-                  draft's distribution q warped with the request's temperature / top-k /
-                  top-p (`warping.warp_probs`; greedy: argmax) and q is recorded: the
-                  rejection test divides by exactly this q.
+                  draft's distribution q warped as the Sampler warps (`warping.warp`;
+                  greedy: argmax) and q is recorded: the rejection test divides by exactly
+                  this q.
     3. RELEASE    shadows of sequences no longer running (finished, aborted, preempted) give
-                  their blocks back (`release`).
+                  their blocks back (`release_all_except`).
 
 Randomness of the draft: a seeded request draws x_{i+1} with a generator seeded from
 (seed, child index, position), so re-proposing from the same state proposes the same drafts
@@ -47,9 +47,9 @@ from refserve.model_runner import ModelRunner
 from refserve.scheduler.drafts import Proposal
 from refserve.scheduler.output import ScheduledSequence, SchedulerOutput
 from refserve.sequence import Sequence
+from refserve.spec_decode.proposer import Proposer
 from refserve.spec_decode.rejection_sampler import inverse_cdf_draw
-from refserve.spec_decode.warping import warp_probs
-from refserve.speculation.proposer import Proposer
+from refserve.spec_decode.warping import warp
 
 _DRAFT_STREAM = 0xD2AF7  # mixed into a seeded draft generator: apart from the target's
 
@@ -213,17 +213,14 @@ class DraftModelProposer(Proposer):
                         self._drop(seqs[i].seq_id)
                     continue
                 out.scheduled.append(ScheduledSequence(
-                    shadow, n, shadow.num_computed_tokens, num_logits=1,
-                    block_ids=kv.get_block_ids(shadow.seq_id)))
+                    seq=shadow, start=shadow.num_computed_tokens, num_scheduled_tokens=n,
+                    num_logits=1, block_ids=kv.get_block_ids(shadow.seq_id)))
                 rows.append(i)
             if not rows:
                 break
             logits = self.runner.forward(self.runner.prepare(out))
             self.num_forwards += 1
-            params = [seqs[i].sampling_params for i in rows]
-            q = warp_probs(logits, [p.temperature for p in params],
-                           [p.top_k for p in params], [p.top_p for p in params],
-                           [p.min_p for p in params])
+            q = warp(logits, [seqs[i].sampling_params for i in rows], self.backend)
             uniforms = np.array([self._uniform(seqs[i], shadows[i]) for i in rows])
             tokens = inverse_cdf_draw(q, uniforms)
             for r, i in enumerate(rows):
@@ -248,7 +245,8 @@ class DraftModelProposer(Proposer):
         return float(gen.random())
 
     # ---- 3. release --------------------------------------------------------------------
-    def release(self, live_seq_ids: set[int]) -> None:
+    def release_all_except(self, live_seq_ids: set[int]) -> None:
+        """Drop every shadow but those of `live_seq_ids`; theirs give their blocks back."""
         for seq_id in [s for s in self.shadows if s not in live_seq_ids]:
             self._drop(seq_id)
 

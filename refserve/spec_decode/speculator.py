@@ -19,7 +19,8 @@ from refserve.scheduler.drafts import Proposals
 from refserve.scheduler.output import StepUpdate
 from refserve.sequence import Sequence
 from refserve.spec_decode.adaptive import AdaptiveSpeculation
-from refserve.speculation.proposer import Proposer
+from refserve.spec_decode.cost_probe import dense_seconds
+from refserve.spec_decode.proposer import Proposer
 
 
 class Speculator:
@@ -31,13 +32,27 @@ class Speculator:
         self.adaptive = adaptive
         self.max_model_len = max_model_len
 
+    @classmethod
+    def create(cls, proposer_cls: type[Proposer], spec, loaded, target, backend,
+               num_blocks: int, block_size: int, max_model_len: int,
+               max_num_batched_tokens: int) -> Speculator:
+        """The speculator of an engine: its proposer (`loaded` = what `proposer_cls.load`
+        returned: the draft model and its cost per token) and the adaptive rule, calibrated
+        on the target's dense products up to the step's token budget (a verify step's
+        cost, adaptive.py)."""
+        proposer = proposer_cls.create(spec, loaded, backend, num_blocks, block_size)
+        adaptive = AdaptiveSpeculation(spec.k, loaded[1], enabled=spec.adaptive)
+        adaptive.calibrate(lambda rows, repeats: dense_seconds(target, rows, repeats),
+                           max_num_batched_tokens)
+        return cls(proposer, adaptive, max_model_len)
+
     def propose(self, running: SequenceOf[Sequence]) -> Proposals:
         """The proposal stage: drafts for every running sequence that may get some
         (`room`, then the adaptive rule), by seq_id. Sequences not running any more are
         forgotten first (a draft model's shadow gives back its blocks). Changes no
         Sequence."""
         live = {seq.seq_id for seq in running}
-        self.proposer.release(live)
+        self.proposer.release_all_except(live)
         rooms = [(seq, self.room(seq)) for seq in running]
         self.adaptive.begin_step(live, drafting={seq.seq_id for seq, r in rooms if r > 0})
         seqs, counts = [], []

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from refserve.speculation.draft_model import DraftModelProposer
-from refserve.speculation.ngram import NgramProposer
-from refserve.speculation.proposer import Proposer
+from refserve.spec_decode.draft_model import DraftModelProposer
+from refserve.spec_decode.ngram import NgramProposer
+from refserve.spec_decode.proposer import Proposer
 from refserve.speculative_config import SpeculativeConfig
 
 PROPOSERS: dict[str, type[Proposer]] = {

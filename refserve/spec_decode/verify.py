@@ -3,7 +3,7 @@ tokens it emits, through the warp and the backend's `rejection_sample` op.
 
 For verify row b (a sequence with n_b drafts x_1..x_n, scheduled with its last real token):
 
-    p  = warp(target logits rows 0..n_b)     [n_b + 1, V]  (temperature, top-k, top-p, min-p)
+    p  = warp(target logits rows 0..n_b)     [n_b + 1, V]  (the Sampler's nucleus, warping.py)
     q  = the proposer's warped draft probs   [n_b, V]      (None: one-hot, the n-gram case)
     output, num_accepted = backend.rejection_sample(x, q, p, accept_uniforms, draw_uniforms)
 
@@ -17,7 +17,7 @@ a sampled row takes exactly n_b + 1 uniforms, `generator.random(n_b + 1)`:
     u[0 .. n_b - 1]   accept_uniforms: u[i] tests draft x_{i+1}
     u[n_b]            draw_uniform: the recovered-or-bonus token
 
-A greedy row (temperature < 1e-5) draws nothing: p is one-hot, so the test is exact match
+A greedy row (`SamplingParams.greedy`) draws nothing: p is one-hot, so the test is exact match
 (x_i accepted iff it is the target's argmax) and the recovered or bonus token is the argmax,
 whatever the uniforms; it gets zeros.
 """
@@ -29,7 +29,7 @@ from collections.abc import Sequence as SequenceOf
 import numpy as np
 
 from refserve.spec_decode.rejection_sampler import PADDING_TOKEN_ID
-from refserve.spec_decode.warping import warp_probs
+from refserve.spec_decode.warping import warp
 
 
 def verify(target_logits: SequenceOf[np.ndarray], drafts: SequenceOf[SequenceOf[int]],
@@ -55,9 +55,8 @@ def verify(target_logits: SequenceOf[np.ndarray], drafts: SequenceOf[SequenceOf[
         ids[b, :len(d)] = d
     # Warp p with each row's own params, only the real rows; padding stays zero (unread).
     sizes = [len(rows) for rows in target_logits]
-    flat = warp_probs(np.concatenate(target_logits),
-                      *(np.repeat([getattr(sp, f) for sp in params], sizes)
-                        for f in ("temperature", "top_k", "top_p", "min_p")))
+    flat = warp(np.concatenate(target_logits),
+                [sp for sp, n in zip(params, sizes) for _ in range(n)], backend)
     p = np.zeros((batch, k + 1, vocab), dtype=flat.dtype)
     for b, (lo, n) in enumerate(zip(np.cumsum([0, *sizes[:-1]]), sizes)):
         p[b, :n] = flat[lo:lo + n]

@@ -24,9 +24,9 @@ from refserve.model_runner import build_attention_metadata
 def dense_weights(model, num_layers: int | None = None) -> list:
     """The prepared weights of one forward's dense products in forward order: per layer
     (the first `num_layers`, default all) q/k/v, o, gate/up, down; then the lm_head."""
-    layers = model.layers[:num_layers]
-    return [w for la in layers for w in (la.w_qkv, la.w_o, la.w_gate_up, la.w_down)] + \
-        [model.lm_head]
+    return [w for block in model.layers[:num_layers]
+            for w in (block.attention.w_qkv, block.attention.w_o, block.mlp.w_gate_up,
+                      block.mlp.w_down)] + [model.lm_head]
 
 
 def dense_seconds(model, rows, repeats: int = 3) -> dict[int, list[float]] | None:
@@ -94,8 +94,12 @@ def with_backend(model, backend):
 
     other = copy.copy(model)
     other.backend = backend
-    other.layers = [dataclasses.replace(la, w_qkv=prepared(la.w_qkv), w_o=prepared(la.w_o),
-                                        w_gate_up=prepared(la.w_gate_up),
-                                        w_down=prepared(la.w_down)) for la in model.layers]
+    other.layers = [dataclasses.replace(
+        block,
+        attention=dataclasses.replace(block.attention, w_qkv=prepared(block.attention.w_qkv),
+                                      w_o=prepared(block.attention.w_o)),
+        mlp=dataclasses.replace(block.mlp, w_gate_up=prepared(block.mlp.w_gate_up),
+                                w_down=prepared(block.mlp.w_down)))
+        for block in model.layers]
     other.lm_head = prepared(model.lm_head)
     return other

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from refserve.scheduler.drafts import Proposal
-from refserve.speculation.proposer import Proposer
+from refserve.spec_decode.proposer import Proposer
 
 
 def propose(token_ids: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
