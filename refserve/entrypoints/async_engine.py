@@ -224,8 +224,11 @@ class AsyncEngine:
             op.loop.call_soon_threadsafe(_settle, op.accepted, e)
             return
         self._idle.clear()  # at once: a drain starting during this turn's step must wait
-        for request_id, prompt_token_ids, _ in op.requests:
-            self._consumers[request_id] = _Consumer(op.sink, op.loop)
+        # One dict update: a reader on another thread (request_ids) sees all of a
+        # request's prompts or none of them, never a part.
+        self._consumers.update({request_id: _Consumer(op.sink, op.loop)
+                                for request_id, _, _ in op.requests})
+        for _, prompt_token_ids, _ in op.requests:
             self.metrics.count_prompt_tokens(len(prompt_token_ids))
         op.loop.call_soon_threadsafe(_settle, op.accepted, None)
 
