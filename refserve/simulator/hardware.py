@@ -55,6 +55,11 @@ class GpuProfile:
     # e_kv: the fraction of the bandwidth the paged KV gather reaches, when it differs from
     # the weight read's (0: the same as bandwidth_efficiency)
     kv_bandwidth_efficiency: float = 0.0
+    # The GPU's fixed seconds per kernel (cost_model.py's "kernels" term; 0: not priced)
+    kernel_gap_s: float = 0.0
+    # Queries and keys per tile of the attention kernel (0: exact query-key pairs, as the
+    # NumPy engine computes them; a GPU profile prices FlashAttention's tiles)
+    attention_tile: int = 0
     source: dict[str, str] = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:

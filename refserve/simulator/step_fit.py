@@ -95,8 +95,8 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50,
 
 def _unfitted_seconds(cost_model: CostModel, comp: StepComposition) -> float:
     terms, e = cost_model.terms(comp), cost_model.eff
-    return (terms["allreduce"] + terms["launch"] + terms["cpu"] - e.step_overhead_s
-            - e.row_overhead_s * comp.num_rows)
+    return (terms["allreduce"] + terms["kernels"] + terms["launch"] + terms["cpu"]
+            - e.step_overhead_s - e.row_overhead_s * comp.num_rows)
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, prior: np.ndarray,
