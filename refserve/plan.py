@@ -35,6 +35,7 @@ from refserve.simulate import (
     engine_config,
     load_hardware,
     make_requests,
+    resolve_workload_args,
     run_cli,
     usd_per_million,
     workload_name,
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
+    resolve_workload_args(args)
     if args.num_requests < 10:
         raise CLIError(f"--num-requests {args.num_requests}: need >= 10 for a p99")
     for name, lo, hi in (("tolerance", 0.001, 0.5), ("headroom", 0.0, 0.5)):

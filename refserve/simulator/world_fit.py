@@ -26,7 +26,9 @@ the step times). Deterministic: the same rows give the same constants.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +46,10 @@ from refserve.simulator.world import (
 
 TOLERANCE = 1e-4
 RIDGE = 1e-3
+# The last step of the shipped fit: every fit row's linear form at the shipped constants,
+# with the ranges and priors it was solved in (tests/test_simulator_world.py solves it
+# again and replays the rows that are cheap to replay).
+FIT_RECORD = Path(__file__).with_name("world_fit_record.json")
 # cost_model.linearize's value names -> the constant they are 1 / (an efficiency) or equal
 LINEAR_NAME = {**{k: v for k, v in GPU_VALUES.items()}, "allreduce_latency_s":
                "allreduce_latency_s", "kernel_gap_s": "kernel_gap_s",
@@ -149,6 +155,15 @@ class FitReport:
     rounds: int
     names: list[tuple]
     history: list[float] = field(default_factory=list)  # median |error| per round
+    record: dict = field(default_factory=dict)  # the last step (FIT_RECORD's layout)
+
+
+def load_record() -> dict:
+    return json.loads(FIT_RECORD.read_text())
+
+
+def write_record(record: dict) -> None:
+    FIT_RECORD.write_text(json.dumps(record, indent=0) + "\n")
 
 
 def fit(measurements: list[Measurement], constants: Constants | None = None,
@@ -191,8 +206,20 @@ def fit(measurements: list[Measurement], constants: Constants | None = None,
         if previous is not None and np.max(np.abs(theta / previous - 1)) < TOLERANCE:
             break
         previous = theta
+    x, c = linear_form(replays, constants, names)
     report.constants = constants
+    report.record = {
+        "ids": [r.measurement.id for r in replays], "names": [list(n) for n in names],
+        "x": _round(x), "c": _round(c), "target": _round(target), "prior": _round(prior),
+        "low": _round(low), "high": _round(high), "theta": _round(theta), "ridge": ridge}
     return report
 
 
-__all__ = ["FitReport", "fit", "linear_form", "prior_constants", "solve"]
+def _round(a) -> list:
+    """Twelve significant digits: the record's JSON stays readable and exact enough."""
+    return [float(f"{v:.12g}") for v in np.ravel(a)] if np.ndim(a) < 2 else [
+        _round(row) for row in a]
+
+
+__all__ = ["FIT_RECORD", "FitReport", "fit", "linear_form", "load_record", "prior_constants",
+           "solve", "write_record"]
