@@ -9,7 +9,9 @@ replaced, by a roofline cost model of the step's composition on a GPU profile. M
     multi_step.py  vLLM V0's --num-scheduler-steps rounds around the real scheduler
     engine_overheads.py, engines.toml   each serving engine's host terms, as data
     step_fit.py    `fit` of the efficiencies to measured steps; `replay` of measured times
-    world.py, world_fit.py, measurements.toml   published GPU measurements, replayed and fitted
+    world.py, measurements/   published GPU measurements (one file per source), replayed
+    world_fit.py, bounds.py, bounds.toml   the fit of the constants, each inside its
+                   physical range; world_validate.py: leave a source or an engine out
     workload.py    arrivals (Poisson, bursty), length distributions, shared prefixes, traces
     engine.py      `SimulatedEngine`: schedule, price, update; the real engine's metrics
     outputs.py     what the "model" emits: the next tokens; speculation's drawn acceptance
