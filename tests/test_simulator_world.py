@@ -17,14 +17,9 @@ from refserve.bench import main
 from refserve.simulator.bounds import Bounds
 from refserve.simulator.engine_overheads import engine_names, load_engine
 from refserve.simulator.hardware import load_gpu, load_model
-from refserve.simulator.world import (
-    HELD_OUT,
-    METRIC_UNITS,
-    Constants,
-    load_measurements,
-    replay,
-)
+from refserve.simulator.world import HELD_OUT, METRIC_UNITS, Constants, load_measurements
 from refserve.simulator.world_fit import FIT_RECORD, linear_form, load_record, solve
+from refserve.simulator.world_replay import replay
 from refserve.simulator.world_write import shipped_value
 
 ROWS = load_measurements()

@@ -87,8 +87,9 @@ def _target(summary: dict, kind: str) -> bool:
 
 def run(args) -> dict:
     from refserve.simulator.bounds import Bounds
-    from refserve.simulator.world import Constants, load_measurements, replay
+    from refserve.simulator.world import Constants, load_measurements
     from refserve.simulator.world_fit import fit, prior_constants
+    from refserve.simulator.world_replay import replay
     from refserve.simulator.world_validate import (
         held_out_within_source,
         leave_one_out,

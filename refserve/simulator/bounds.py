@@ -23,7 +23,8 @@ from pathlib import Path
 from refserve.simulator.engine_overheads import HOST_TERMS
 
 BOUNDS_FILE = Path(__file__).with_name("bounds.toml")
-GPU_CONSTANTS = ("flops_efficiency", "bandwidth_efficiency", "kv_bandwidth_efficiency",
+GPU_CONSTANTS = ("flops_efficiency", "fp8_flops_efficiency", "bandwidth_efficiency",
+                 "kv_bandwidth_efficiency",
                  "attention_efficiency", "allreduce_latency_s", "kernel_gap_s")
 
 

@@ -91,8 +91,8 @@ KERNELS_PER_LAYER = 10
 
 STEP_HOST_TERMS = ("step_overhead_s", "row_overhead_s", "sample_row_s", "front_end_row_s",
                    "eager_layer_s")
-GPU_TERMS = ("flops", "bandwidth", "attention", "kv_bandwidth", "allreduce_latency_s",
-             "kernel_gap_s")
+GPU_TERMS = ("flops", "fp8_flops", "bandwidth", "attention", "kv_bandwidth",
+             "allreduce_latency_s", "kernel_gap_s")
 
 
 def _max(a, b):
@@ -116,10 +116,15 @@ class Efficiencies:
     front_end_row_s: float = 0.0   # an HTTP front end's seconds per streamed token
     eager_layer_s: float = 0.0     # launch seconds per layer of a step without a CUDA graph
     kernel_gap_s: float = 0.0      # the GPU's fixed seconds per kernel
+    fp8_flops: float | None = None  # e_flops of fp8 GEMMs; None: the same as flops
 
     @property
     def kv(self) -> float:
         return self.bandwidth if self.kv_bandwidth is None else self.kv_bandwidth
+
+    @property
+    def fp8(self) -> float:
+        return self.flops if self.fp8_flops is None else self.fp8_flops
 
     @classmethod
     def of(cls, gpu: GpuProfile, engine: EngineOverheads | None = None) -> Efficiencies:
@@ -128,7 +133,7 @@ class Efficiencies:
         eff = cls(gpu.flops_efficiency, gpu.bandwidth_efficiency, gpu.attention_efficiency,
                   gpu.step_overhead_s, gpu.row_overhead_s,
                   kv_bandwidth=gpu.kv_bandwidth_efficiency or None,
-                  kernel_gap_s=gpu.kernel_gap_s)
+                  kernel_gap_s=gpu.kernel_gap_s, fp8_flops=gpu.fp8_flops_efficiency or None)
         return eff if engine is None else engine.apply(eff)
 
 
@@ -160,6 +165,7 @@ class CostModel:
         b_w = weight_dtype_bytes(dtype, quantization)   # refuses an unknown quantization
         b_kv = kv_cache_dtype_bytes(dtype, kv_cache_dtype)
         self.gemm_dtype = "fp8" if quantization == "fp8" else dtype
+        self.gemm_value = "fp8_flops" if quantization == "fp8" else "flops"  # linearize's
         self.peak = gpu.peak(self.gemm_dtype)   # the GEMMs'
         self.attention_peak = gpu.peak(dtype)   # attention computes in the activations' dtype
         b = DTYPE_BYTES[dtype]
@@ -179,6 +185,11 @@ class CostModel:
         self.num_kernels = model.num_layers * KERNELS_PER_LAYER
 
     # ---- the formulas ----------------------------------------------------------------
+
+    @property
+    def gemm_efficiency(self) -> float:
+        """e_flops of this model's GEMMs: the fp8 one with fp8 weights."""
+        return self.eff.fp8 if self.quantization == "fp8" else self.eff.flops
 
     def attention_pairs(self, comp):
         """The query-key pairs the attention kernel computes (module docstring)."""
@@ -232,7 +243,7 @@ class CostModel:
             comm = (w["allreduce_bytes"] / gpu.interconnect_bandwidth
                     + self.num_allreduces * gpu.allreduce_latency_s)
         return {
-            "linear": _max(w["linear_flops"] / (self.peak * e.flops),
+            "linear": _max(w["linear_flops"] / (self.peak * self.gemm_efficiency),
                            w["linear_bytes"] / (memory * e.bandwidth)),
             "attention": _max(w["attention_flops"] / (self.attention_peak * e.attention),
                               w["kv_bytes"] / (memory * e.kv)),
@@ -277,7 +288,7 @@ class CostModel:
     def fitted_values(self) -> dict[str, float]:
         """The values `linearize` multiplies (1 / efficiency, or seconds)."""
         e = self.eff
-        return {"flops": 1 / e.flops, "bandwidth": 1 / e.bandwidth,
+        return {"flops": 1 / e.flops, "fp8_flops": 1 / e.fp8, "bandwidth": 1 / e.bandwidth,
                 "attention": 1 / e.attention, "kv_bandwidth": 1 / e.kv,
                 "allreduce_latency_s": self.gpu.allreduce_latency_s,
                 "kernel_gap_s": e.kernel_gap_s,
@@ -293,13 +304,16 @@ class CostModel:
         zero = 0.0 * comp.num_tokens
         f_lin, b_lin = w["linear_flops"] / self.peak, w["linear_bytes"] / bw + zero
         f_att, b_kv = w["attention_flops"] / self.attention_peak, w["kv_bytes"] / bw
-        lin_c = f_lin / e.flops >= b_lin / e.bandwidth
+        lin_c = f_lin / self.gemm_efficiency >= b_lin / e.bandwidth
         att_c = f_att / e.attention >= b_kv / e.kv
         pick = np.where if isinstance(zero, np.ndarray) else (lambda c, a, b: a if c else b)
         n, rows = comp.num_sampling_rows + zero, comp.num_rows + zero
         sched = comp.scheduled + zero
         graphed = self.graphed(comp)
-        serial = {"flops": pick(lin_c, f_lin, zero), "bandwidth": pick(lin_c, zero, b_lin),
+        gemm = pick(lin_c, f_lin, zero)
+        serial = {"flops": zero if self.quantization == "fp8" else gemm,
+                  "fp8_flops": gemm if self.quantization == "fp8" else zero,
+                  "bandwidth": pick(lin_c, zero, b_lin),
                   "attention": pick(att_c, f_att, zero), "kv_bandwidth": pick(att_c, zero, b_kv),
                   "allreduce_latency_s": self.num_allreduces + zero,
                   "kernel_gap_s": self.num_kernels + zero,
@@ -343,7 +357,8 @@ class CostModel:
                              f", KV cache {self.kv_cache_dtype}"
                              if self.kv_cache_dtype != "auto" else ""])
         return (f"cost model: {self.tp} x {self.gpu.name}, {self.dtype}{precision}; GEMM "
-                f"{e.flops:.0%} of {self.peak / 1e12:.3g} TFLOP/s, bandwidth {e.bandwidth:.0%}"
+                f"{self.gemm_efficiency:.0%} of {self.peak / 1e12:.3g} TFLOP/s, bandwidth "
+                f"{e.bandwidth:.0%}"
                 f"{kv} of {self.gpu.memory_bandwidth / 1e9:.0f} GB/s, attention "
                 f"{e.attention:.0%}" + (f" (tiles of {self.tile})" if self.tile else "")
                 + f", all-reduce {self.gpu.allreduce_latency_s * 1e6:.1f} us, "

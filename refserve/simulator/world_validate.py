@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from refserve.simulator.world import Constants, Measurement, replay
+from refserve.simulator.world import Constants, Measurement
 from refserve.simulator.world_fit import fit
+from refserve.simulator.world_replay import replay
 
 GROUPINGS = {"source": lambda m: m.source_key, "engine": lambda m: m.engine_profile}
 

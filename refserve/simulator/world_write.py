@@ -44,7 +44,8 @@ def write_constants(constants: Constants) -> list[str]:
     text = PROFILES_FILE.read_text()
     for key in constants.gpus:
         fit_key = FIT_GPU.get(key, key)
-        text = replace_in_table(text, key, {n: values[("gpu", fit_key, n)] for n in GPU_FIELDS})
+        text = replace_in_table(text, key, {n: values[("gpu", fit_key, n)] for n in GPU_FIELDS
+                                            if ("gpu", fit_key, n) in values})
         written.append(key)
     PROFILES_FILE.write_text(text)
     text = ENGINES_FILE.read_text()
