@@ -143,6 +143,11 @@ def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
     r.add_argument("--engine", default=DEFAULT_ENGINE, choices=engine_names(),
                    help="whose host costs to price (scheduling, sampling, launches): an "
                    "entry of refserve/simulator/engines.toml")
+    e.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+                   help="vLLM V0's multi-step scheduling: one scheduler call, then N decode "
+                   "steps of the same batch; new requests wait for the round to end and a "
+                   "round's tokens reach the client together (refserve/simulator/"
+                   "multi_step.py)")
     r.add_argument("--served", action="store_true",
                    help="price an HTTP front end streaming every token (a served run, as "
                    "vLLM's benchmark_serving measures)")
@@ -281,14 +286,15 @@ def token_counter(path: Path | None):
 def build_engine(model, gpu, config: EngineConfig, tensor_parallel_size: int,
                  spec_alpha: float = 0.7, seed: int = 0, *, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", engine: str = DEFAULT_ENGINE,
-                 served: bool = False):
+                 served: bool = False, num_scheduler_steps: int = 1):
     from refserve.simulator.engine import SimulatedEngine
 
     try:
         return SimulatedEngine(model, gpu, config, tensor_parallel_size=tensor_parallel_size,
                                spec_alpha=spec_alpha, spec_seed=seed,
                                quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                               engine=engine, served=served)
+                               engine=engine, served=served,
+                               num_scheduler_steps=num_scheduler_steps)
     except (ValueError, NotImplementedError) as e:
         raise CLIError(str(e)) from None
 
@@ -338,7 +344,8 @@ def run(args) -> int:
     engine = build_engine(model, gpu, config, args.tensor_parallel_size, args.spec_alpha,
                           args.seed, quantization=args.quantization,
                           kv_cache_dtype=args.kv_cache_dtype, engine=args.engine,
-                          served=args.served)
+                          served=args.served,
+                          num_scheduler_steps=args.num_scheduler_steps)
     requests = make_requests(args, model, engine.max_model_len,
                              math.inf if args.rate is None else args.rate)
     try:
@@ -389,6 +396,7 @@ def run(args) -> int:
             "kv_cache_layout")},
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "engine": args.engine, "served": args.served,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "speculative_config": (None if config.speculative_config is None
                                else vars(config.speculative_config)),
         "spec_alpha": args.spec_alpha if config.speculative_config is not None else None,
