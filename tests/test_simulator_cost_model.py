@@ -246,7 +246,7 @@ def test_async_output_is_a_lane_beside_the_serial_work():
     lane = CostModel(TOY, GPU, "bfloat16", efficiencies=HOST, async_output=True)
     # sampling 3 rows x 0.002 s: added to the step, or processed while the next one runs
     assert sync.time(comp) - lane.time(comp) == pytest.approx(0.006)
-    assert lane.delivery_delay(comp) == pytest.approx(0.006)
+    assert lane.output_lane(comp) == pytest.approx(0.006) and sync.output_lane(comp) == 0
     slow = dataclasses.replace(HOST, sample_row_s=1.0)  # a lane longer than the GPU's work
     assert CostModel(TOY, GPU, "bfloat16", efficiencies=slow, async_output=True).time(
         comp) == pytest.approx(3.0)

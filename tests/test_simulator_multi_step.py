@@ -44,7 +44,7 @@ def test_a_round_is_one_scheduler_call_and_one_delivery():
     assert m.ttft == pytest.approx(1.0) and m.finish_time == pytest.approx(21.0)
     assert list(result.itl) == pytest.approx([4.0] * 5)  # one gap per round
     assert m.tpot == pytest.approx(1.0)  # 20 tokens in 20 steps
-    assert result.delivery.first["a"] == 0 and result.delivery.last["a"] == 20
+    assert result.delivery.first["a"] == (0, 0) and result.delivery.last["a"] == (20, 20)
 
 
 def test_an_arrival_waits_for_the_round_to_end():

@@ -43,8 +43,9 @@ while step n + 1 runs) has the output work on a lane of its own, so
     serial = linear + attention + allreduce + kernels + launch + schedule
              + (output unless async_output)
 
-and a token sampled in the step reaches its client `delivery_delay` = (output if
-async_output) + front_end after the step ends.
+A token sampled in a step reaches its client the front end's time (`delivery_delay`)
+after its outputs are processed: when the step ends, or with async_output when the next
+step ends (the simulated engine holds them back; `output_lane` when no step follows).
 
 Precision. `dtype` is the activations' (and the attention's) dtype. `quantization="fp8"`
 (vLLM's --quantization fp8) stores the weights in one byte and runs the GEMMs at the GPU's
@@ -268,20 +269,24 @@ class CostModel:
         return float(self.combine(self.terms(comp)))
 
     def delivery_delay(self, comp):
-        """Seconds from the end of a step to its sampled tokens reaching their clients:
-        the output lane (async_output) and the front end (module docstring)."""
-        h = self.host_terms(comp)
-        return h["output"] + h["front_end"]
+        """Seconds from a step's outputs being processed to its tokens reaching their
+        clients: the front end's (module docstring)."""
+        return self.host_terms(comp)["front_end"]
+
+    def output_lane(self, comp):
+        """Seconds of a step's asynchronous output processing (0 without async_output)."""
+        return self.host_terms(comp)["output"]
 
     def step_time(self, out, scheduled: bool = True) -> float:
         """Seconds the scheduler step `out` takes on this hardware."""
         return self.time(StepComposition.of(out, scheduled))
 
-    def out_delay(self, out) -> float:
-        """`delivery_delay` of the scheduler step `out` (0 without a lane or front end)."""
+    def out_delays(self, out) -> tuple[float, float]:
+        """(delivery_delay, output_lane) of the scheduler step `out`."""
         if not (self.async_output or self.served):
-            return 0.0
-        return float(self.delivery_delay(StepComposition.of(out)))
+            return 0.0, 0.0
+        h = self.host_terms(StepComposition.of(out))
+        return float(h["front_end"]), float(h["output"])
 
     # ---- the fit's linear form ---------------------------------------------------------
 

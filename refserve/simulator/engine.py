@@ -115,20 +115,24 @@ def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype
 
 @dataclass
 class DeliverySteps:
-    """Which step delivered each request's first and last tokens, and the (earlier, later)
-    steps of every inter-token gap in `SimResult.itl`'s order: the spans of steps a
-    metric's time is made of (refserve/simulator/world.py fits on them)."""
+    """When each request's tokens reached its client, as steps: a delivery is (the step
+    at whose end its outputs were processed, the step that sampled them: its delay
+    applies). `first` / `last` per request, `gaps` every inter-token gap's two
+    deliveries in `SimResult.itl`'s order, `lane` the steps whose output lane delayed
+    their own delivery (async_output, no step after them). The spans of steps a metric's
+    time is made of (refserve/simulator/world_replay.py fits on them)."""
 
-    first: dict[str, int] = field(default_factory=dict)
-    last: dict[str, int] = field(default_factory=dict)
+    first: dict[str, tuple[int, int]] = field(default_factory=dict)
+    last: dict[str, tuple[int, int]] = field(default_factory=dict)
     gaps: array = field(default_factory=lambda: array("q"))
+    lane: set = field(default_factory=set)
 
-    def deliver(self, request_id: str, step: int) -> None:
+    def deliver(self, request_id: str, at: int, sampled: int) -> None:
         if request_id in self.last:
-            self.gaps.extend((self.last[request_id], step))
+            self.gaps.extend((*self.last[request_id], at, sampled))
         else:
-            self.first[request_id] = step
-        self.last[request_id] = step
+            self.first[request_id] = (at, sampled)
+        self.last[request_id] = (at, sampled)
 
 
 @dataclass
@@ -289,7 +293,8 @@ class SimulatedEngine:
         check_invariants  kv_cache_manager.check_invariants() after every step (tests)
 
         A step's tokens reach their client when its multi-step round ends (every step,
-        without multi-step), plus the cost model's `delivery_delay` (an output lane, an
+        without multi-step) and its outputs are processed (with the cost model's
+        async_output, when the next step ends), plus the cost model's `delivery_delay` (an
         HTTP front end): TTFT, TPOT and the inter-token latencies are the client's.
         """
         requests = sorted(requests, key=lambda r: r.arrival_time)
@@ -297,7 +302,8 @@ class SimulatedEngine:
         self.check_requests(requests)
         sched, kv = self.scheduler, self.kv_cache_manager
         outputs, cost_model = self.outputs, self.cost_model
-        out_delay = getattr(cost_model, "out_delay", None)
+        out_delays = getattr(cost_model, "out_delays", lambda out: (0.0, 0.0))
+        held = getattr(cost_model, "async_output", False)  # deliver when the next step ends
         rounds = MultiStepRounds(self.num_scheduler_steps)
         # Live while it runs: on_step may read every request's metrics so far.
         metrics = self.metrics = {}
@@ -306,6 +312,28 @@ class SimulatedEngine:
         last_token: dict[int, float] = {}        # seq_id -> when its client last got tokens
         pending: dict[int, RequestMetrics] = {}  # seq_id -> metrics: tokens not delivered yet
         finishing: list[Sequence] = []           # retired, finished when delivered
+        deferred = None  # (pending, finishing, sampling step, its out) held for the next step
+
+        def deliver(batch_pending, batch_finishing, t_client, at, sampled_at):
+            for seq_id, m in batch_pending.items():
+                rid = request_of[seq_id].request_id
+                if m.first_token_time is None:
+                    m.first_token_time = t_client
+                else:
+                    itl.append(t_client - last_token[seq_id])
+                steps.deliver(rid, at, sampled_at)
+                last_token[seq_id] = t_client
+            for seq in batch_finishing:
+                last_token.pop(seq.seq_id, None)
+                self._finish(metrics[seq.request_id], seq, passes[seq.seq_id], t_client)
+                if recorder is not None:
+                    recorder.finish(seq.request_id, t_client)
+
+        def flush(now):
+            """Deliver held outputs when no step follows: after their output lane."""
+            front, lane = out_delays(deferred[3])
+            steps.lane.add(deferred[2])
+            deliver(deferred[0], deferred[1], now + lane + front, deferred[2], deferred[2])
         steps = DeliverySteps()
         itl = array("d")
         timeline = {"t": [], "t_end": [], "scheduled": [], "sampled": [], "waiting": [],
@@ -332,6 +360,9 @@ class SimulatedEngine:
                     recorder.arrive(r.request_id, r.arrival_time)
                 i += 1
             if not sched.has_unfinished():
+                if deferred is not None:
+                    flush(now)
+                    deferred = None
                 if i == n:
                     break
                 now = requests[i].arrival_time + delay  # idle until the next arrival
@@ -367,21 +398,15 @@ class SimulatedEngine:
             if recorder is not None:
                 recorder.step(t_start, now, out, kv_blocks_used=used,
                               kv_blocks_total=kv.num_blocks, num_waiting=sched.num_waiting)
+            if deferred is not None:  # processed while this step ran
+                deliver(deferred[0], deferred[1], now + out_delays(deferred[3])[0], k,
+                        deferred[2])
+                deferred = None
             if rounds.round_ends(sched):
-                t_client = now + (out_delay(out) if out_delay is not None else 0.0)
-                for seq_id, m in pending.items():
-                    rid = request_of[seq_id].request_id
-                    if m.first_token_time is None:
-                        m.first_token_time = t_client
-                    else:
-                        itl.append(t_client - last_token[seq_id])
-                    steps.deliver(rid, k)
-                    last_token[seq_id] = t_client
-                for seq in finishing:
-                    last_token.pop(seq.seq_id, None)
-                    self._finish(metrics[seq.request_id], seq, passes[seq.seq_id], t_client)
-                    if recorder is not None:
-                        recorder.finish(seq.request_id, t_client)
+                if held:
+                    deferred = (dict(pending), list(finishing), k, out)
+                else:
+                    deliver(pending, finishing, now + out_delays(out)[0], k, k)
                 pending.clear()
                 finishing.clear()
             timeline["t"].append(t_start)
@@ -397,6 +422,8 @@ class SimulatedEngine:
             if on_step is not None and on_step(self, t_start, now, out, retired):
                 stopped = True
                 break
+        if deferred is not None:  # stopped early
+            flush(now)
         if bar is not None:
             bar.close()
         wall = time.perf_counter() - wall0

@@ -92,7 +92,7 @@ def linear_form(replays: list[Replay], constants: Constants, names: list[tuple]
         sampled = r.steps.num_sampling_rows
         engine = ("engine", m.engine_profile)
         if cm.async_output and (*engine, "sample_row_s") in index:
-            x[i, index[(*engine, "sample_row_s")]] += r.delay_weights @ sampled
+            x[i, index[(*engine, "sample_row_s")]] += r.lane_weights @ sampled
         if cm.served and (*engine, "front_end_row_s") in index:
             x[i, index[(*engine, "front_end_row_s")]] += r.delay_weights @ sampled
         if m.served and (m.metric.startswith("ttft") or m.metric == "output_tokens_per_s"):

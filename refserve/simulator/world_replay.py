@@ -7,8 +7,9 @@ the same run under other constants without simulating it again:
 
     T = sum_k w_k t_k + sum_k v_k delay_k + [front_end_request_s]     (seconds)
 
-with t_k the k-th step's time, delay_k the time from its end to its tokens reaching the
-client (cost_model.delivery_delay), w and v the metric's weights:
+with t_k the k-th step's time, delay_k the time from its outputs' processing to its
+tokens reaching the client (cost_model.delivery_delay, and output_lane where no step
+followed an async_output step), w and v the metric's weights:
 
     output_tokens_per_s   all steps (w = 1) and the last delivery; value = tokens / T
     ttft_ms / ttft_p50_ms the median request's: the steps from its arrival (the first one
@@ -55,21 +56,24 @@ class _Recorder:
         self.steps.append(comp)
         return self.cost_model.time(comp)
 
-    def out_delay(self, out) -> float:
-        return self.cost_model.out_delay(out)
+    def out_delays(self, out) -> tuple[float, float]:
+        return self.cost_model.out_delays(out)
 
 
 @dataclass
 class Replay:
     """A simulated measurement (module docstring): `predicted` in the metric's unit; the
-    metric's time as `weights` on the steps and `delay_weights` on their delivery
-    delays; `published_seconds` the published number as that time."""
+    metric's time as `weights` on the steps, `delay_weights` on their delivery delays
+    (the front end's) and `lane_weights` on their output lanes (a delivery after an
+    async_output step with no step after it); `published_seconds` the published number
+    as that time."""
 
     measurement: Measurement
     predicted: float
     steps: CompositionArrays
     weights: np.ndarray
     delay_weights: np.ndarray
+    lane_weights: np.ndarray
     cost_model: CostModel
     published_seconds: float
     tokens: int = 0          # output tokens of the run (throughput rows)
@@ -85,7 +89,9 @@ class Replay:
         m = self.measurement
         t = cost_model.time(self.steps)
         delay = cost_model.delivery_delay(self.steps)
-        total = float(self.weights @ t + self.delay_weights @ delay)
+        lane = cost_model.output_lane(self.steps)
+        total = float(self.weights @ t + self.delay_weights @ delay
+                      + self.lane_weights @ lane)
         if m.served and (m.metric.startswith("ttft") or m.metric == "output_tokens_per_s"):
             total += cost_model.front_end_request_s  # the front end held the request
         return total
@@ -142,47 +148,54 @@ def _metric(m: Measurement, steps: CompositionArrays, result, cost_model: CostMo
             ) -> Replay:
     """The Replay of measurement `m` on its run (the weights of the module docstring)."""
     t0, t1 = np.array(result.timeline["t"]), np.array(result.timeline["t_end"])
-    weights, delays = np.zeros(len(t1)), np.zeros(len(t1))
+    weights, delays, lanes = np.zeros(len(t1)), np.zeros(len(t1)), np.zeros(len(t1))
     delivered = result.delivery
     metrics = result.metrics
     tokens = 0
+
+    def delay(delivery, share):
+        """A delivery (at, sampled)'s delay terms, `share` times."""
+        delays[delivery[1]] += share
+        if delivery[1] in delivered.lane:
+            lanes[delivery[1]] += share
+
     if m.metric == "output_tokens_per_s":
         tokens = sum(x.num_output_tokens for x in metrics.values())
         weights[:] = 1.0
-        delays[max(delivered.last.values())] = 1.0
+        delay(max(delivered.last.values()), 1.0)
     elif m.metric in ("ttft_ms", "ttft_p50_ms"):
         for rid in _middle(list(metrics), lambda r: metrics[r].ttft):
             share = 0.5 if len(metrics) % 2 == 0 else 1.0
             seen = metrics[rid].arrival_time + cost_model.front_end_request_s
             first = delivered.first[rid]
-            span = (t1 > seen) & (np.arange(len(t1)) <= first)
+            span = (t1 > seen) & (np.arange(len(t1)) <= first[0])
             part = span.astype(float)
             k = int(np.argmax(span))
             if span.any() and t0[k] < seen:  # arrived mid-step
                 part[k] = (t1[k] - seen) / (t1[k] - t0[k])
             weights += share * part
-            delays[first] += share
+            delay(first, share)
     elif m.metric == "tpot_p50_ms":
         decoding = [r for r, x in metrics.items() if x.tpot is not None]
         share = 0.5 if len(decoding) % 2 == 0 else 1.0
         for rid in _middle(decoding, lambda r: metrics[r].tpot):
             a, b = delivered.first[rid], delivered.last[rid]
             per_token = share / (metrics[rid].num_output_tokens - 1)
-            weights[a + 1:b + 1] += per_token
-            delays[b] += per_token
-            delays[a] -= per_token
+            weights[a[0] + 1:b[0] + 1] += per_token
+            delay(b, per_token)
+            delay(a, -per_token)
     elif m.metric == "itl_p50_ms":
-        gaps = np.asarray(delivered.gaps, dtype=np.int64).reshape(-1, 2)
+        gaps = np.asarray(delivered.gaps, dtype=np.int64).reshape(-1, 4)
         order = np.argsort(np.asarray(result.itl), kind="stable")
         share = 0.5 if len(gaps) % 2 == 0 else 1.0
         for j in _middle(list(range(len(gaps))), None, order):
-            a, b = gaps[j]
-            weights[a + 1:b + 1] += share
-            delays[b] += share
-            delays[a] -= share
+            a, b = gaps[j][:2], gaps[j][2:]
+            weights[a[0] + 1:b[0] + 1] += share
+            delay(b, share)
+            delay(a, -share)
     else:
         raise ValueError(f"measurement {m.id}: unknown metric {m.metric!r}")
-    r = Replay(m, 0.0, steps, weights, delays, cost_model, 0.0, tokens)
+    r = Replay(m, 0.0, steps, weights, delays, lanes, cost_model, 0.0, tokens)
     r.predicted = r.value_of(r.seconds(cost_model))
     r.published_seconds = (tokens / m.value if m.metric == "output_tokens_per_s"
                            else m.value / 1e3)
