@@ -7,6 +7,7 @@ replaced, by a roofline cost model of the step's composition on a GPU profile. M
     composition.py what a step computes: the sums the cost model prices
     cost_model.py  the step time: roofline terms, precision, the host's terms
     multi_step.py  vLLM V0's --num-scheduler-steps rounds around the real scheduler
+    delivery.py    when a simulated token reaches its client, as steps
     engine_overheads.py, engines.toml   each serving engine's host terms, as data
     step_fit.py    `fit` of the efficiencies to measured steps; `replay` of measured times
     world.py, measurements/   published GPU measurements (one file per source), replayed

@@ -44,6 +44,7 @@ from refserve.sampling_params import SamplingParams
 from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import Sequence
 from refserve.simulator.cost_model import CostModel, Efficiencies
+from refserve.simulator.delivery import DeliverySteps
 from refserve.simulator.engine_overheads import DEFAULT_ENGINE, EngineOverheads, load_engine
 from refserve.simulator.hardware import GpuProfile, ModelShape
 from refserve.simulator.multi_step import MultiStepRounds
@@ -111,28 +112,6 @@ def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype
             max_model_len, block_size))
     capacity.check_pool_holds_one_sequence(num_blocks, block_size, max_model_len, knob)
     return num_blocks, knob
-
-
-@dataclass
-class DeliverySteps:
-    """When each request's tokens reached its client, as steps: a delivery is (the step
-    at whose end its outputs were processed, the step that sampled them: its delay
-    applies). `first` / `last` per request, `gaps` every inter-token gap's two
-    deliveries in `SimResult.itl`'s order, `lane` the steps whose output lane delayed
-    their own delivery (async_output, no step after them). The spans of steps a metric's
-    time is made of (refserve/simulator/world_replay.py fits on them)."""
-
-    first: dict[str, tuple[int, int]] = field(default_factory=dict)
-    last: dict[str, tuple[int, int]] = field(default_factory=dict)
-    gaps: array = field(default_factory=lambda: array("q"))
-    lane: set = field(default_factory=set)
-
-    def deliver(self, request_id: str, at: int, sampled: int) -> None:
-        if request_id in self.last:
-            self.gaps.extend((*self.last[request_id], at, sampled))
-        else:
-            self.first[request_id] = (at, sampled)
-        self.last[request_id] = (at, sampled)
 
 
 @dataclass
