@@ -117,6 +117,43 @@ def random_lengths(rng: np.random.Generator, n: int, input_len: int, output_len:
     return around(input_len), around(output_len)
 
 
+# The flags (argparse dests) that describe the random dataset, with their defaults.
+RANDOM_FLAGS = {"input_len": 1024, "output_len": 128, "range_ratio": 0.0}
+
+
+def resolve_workload(chosen: str | None, default: str, given: dict,
+                     flags_of: dict[str, tuple[str, ...]]) -> str:
+    """The workload a command line asks for; no flag is silently ignored.
+
+    chosen    --workload as given (None: not given)
+    default   the command's workload when nothing asks for another
+    given     {flag: value} of the workload flags the user gave
+    flags_of  {workload: its flags}, e.g. {"random": ("input_len", ...)}
+
+    A flag of a workload implies it when --workload is not given, as vLLM's throughput
+    benchmark takes --input-len to mean its random dataset. A flag of another workload
+    than the chosen or implied one raises ValueError (it would change nothing)."""
+    implied = sorted({w for w, flags in flags_of.items() if any(f in given for f in flags)})
+    if chosen is None and len(implied) > 1:
+        raise ValueError(f"{_flags(given, flags_of, implied)} describe different workloads "
+                         f"({', '.join(implied)}); give the flags of one")
+    workload = chosen if chosen is not None else (implied[0] if implied else default)
+    for other, flags in flags_of.items():
+        stray = [f for f in flags if f in given]
+        if other != workload and stray:
+            verb = "describes" if len(stray) == 1 else "describe"
+            raise ValueError(f"{_flags(given, {other: tuple(stray)}, [other])} {verb} the "
+                             f"{other} workload, not {workload}: drop "
+                             f"{'them' if len(stray) > 1 else 'it'} or choose "
+                             f"--workload {other}")
+    return workload
+
+
+def _flags(given: dict, flags_of: dict, workloads: list[str]) -> str:
+    names = [f for w in workloads for f in flags_of[w] if f in given]
+    return " and ".join("--" + f.replace("_", "-") for f in names)
+
+
 def sharegpt_lengths(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The built-in ShareGPT-like lengths (SHAREGPT); prompt + output <= 2048."""
     prompt_spec, output_spec = SHAREGPT
@@ -146,6 +183,9 @@ def read_length_file(path: Path, count_tokens=None) -> list[tuple[int, int]]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"dataset {path}: not JSON ({e})") from None
     if isinstance(data, dict) and "input_lens" in data and "output_lens" in data:
+        if count_tokens is not None:
+            raise ValueError(f"dataset {path} is a vLLM result: it holds token counts, so a "
+                             "tokenizer would change nothing; drop --tokenizer")
         ins, outs = data["input_lens"], data["output_lens"]
         if not (isinstance(ins, list) and isinstance(outs, list) and len(ins) == len(outs)
                 and all(_positive_int(x) for x in ins + outs) and ins):

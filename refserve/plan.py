@@ -35,6 +35,7 @@ from refserve.simulate import (
     engine_config,
     load_hardware,
     make_requests,
+    resolve_workload_args,
     run_cli,
     usd_per_million,
     workload_name,
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
+    resolve_workload_args(args)
     if args.num_requests < 10:
         raise CLIError(f"--num-requests {args.num_requests}: need >= 10 for a p99")
     for name, lo, hi in (("tolerance", 0.001, 0.5), ("headroom", 0.0, 0.5)):
@@ -178,10 +180,11 @@ def _first_that_fits(planner, base, tp: int, precision: dict, args):
     return None, why
 
 
-def vllm_command(model, cand, max_model_len: int, dtype: str) -> str:
+def vllm_command(model, cand, max_model_len: int, dtype: str,
+                 num_scheduler_steps: int = 1) -> str:
     """The `vllm serve` line of a planned candidate: only flags of vLLM's documented CLI
     (`vllm serve --help`; tests/test_simulator_plan.py parses it with vLLM's own parser
-    when vllm is installed)."""
+    when vllm is installed). --num-scheduler-steps, a V0 flag, only when asked for."""
     from refserve.simulator.hardware import HF_IDS
 
     c = cand.config
@@ -198,7 +201,9 @@ def vllm_command(model, cand, max_model_len: int, dtype: str) -> str:
             f"{max_model_len} --max-num-seqs {c.max_num_seqs} --max-num-batched-tokens "
             f"{c.max_num_batched_tokens} --block-size {c.block_size} "
             f"--gpu-memory-utilization {c.gpu_memory_utilization} {prefix} "
-            f"{chunked}{precision}{eager}")
+            f"{chunked}{precision}{eager}"
+            + (f" --num-scheduler-steps {num_scheduler_steps}" if num_scheduler_steps > 1
+               else ""))
 
 
 def run(args) -> int:
@@ -238,7 +243,8 @@ def run(args) -> int:
 
     planner = Planner(model, gpu, requests, slo, num_requests=args.num_requests,
                       seed=args.seed, tolerance=args.tolerance, on_simulation=on_simulation,
-                      engine_overheads=args.engine, served=args.served)
+                      engine_overheads=args.engine, served=args.served,
+                      num_scheduler_steps=args.num_scheduler_steps)
     knobs = {k: getattr(args, k) for k in (*VLLM_DEFAULTS, *PRECISION_DEFAULTS)}
     precision = {k: _start(getattr(args, k), d) for k, d in PRECISION_DEFAULTS.items()}
     print(f"plan: {model.name} on {gpu.name}; "
@@ -311,7 +317,9 @@ def run(args) -> int:
         print(f"\ncheapest per token: TP {best['tp']} at {best['rate']:.2f} req/s, "
               f"${best['usd_per_1m']:.3f} per 1M output tokens; run it on vLLM with")
         dtype = planner.engine(best["cand"]).dtype
-        print(f"  {vllm_command(model, best['cand'], max_model_len, dtype)}")
+        line = vllm_command(model, best["cand"], max_model_len, dtype,
+                            args.num_scheduler_steps)
+        print(f"  {line}")
         if args.target_rate is not None:
             replicas = math.ceil(args.target_rate / best["rate"])
             print(f"  {args.target_rate:g} req/s needs {replicas} replica(s) = "

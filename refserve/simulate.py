@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from refserve.bench.common import print_table
+from refserve.benchmark_datasets import RANDOM_FLAGS, resolve_workload
 from refserve.capacity import KV_CACHE_DTYPES, QUANTIZATIONS
 from refserve.config import BATCHING, DTYPES, KV_CACHE_LAYOUTS, EngineConfig
 from refserve.entrypoints.cli_common import (
@@ -78,16 +79,18 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
                    help="price of one GPU per hour (default: the profile's assumption)")
     w = p.add_argument_group("workload (refserve's own names; the random / sharegpt "
                              "flags are vLLM's benchmark's)")
-    w.add_argument("--workload", "--dataset-name", default="chat", choices=WORKLOADS,
-                   help="random: --input-len / --output-len / --range-ratio; sharegpt: the "
-                   "built-in ShareGPT-like lengths; dataset: --dataset-path "
+    w.add_argument("--workload", "--dataset-name", default=None, choices=WORKLOADS,
+                   help="default chat; random: --input-len / --output-len / --range-ratio "
+                   "(any of them implies random, as in vLLM's throughput benchmark); "
+                   "sharegpt: the built-in ShareGPT-like lengths; dataset: --dataset-path "
                    "(refserve/benchmark_datasets.py)")
-    w.add_argument("--input-len", "--random-input-len", type=int, default=1024,
-                   help="random workload: prompt tokens per request")
-    w.add_argument("--output-len", "--random-output-len", type=int, default=128,
-                   help="random workload: output tokens per request")
-    w.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
-                   help="random workload: lengths uniform in [len (1 - r), len (1 + r)]")
+    w.add_argument("--input-len", "--random-input-len", type=int, default=None,
+                   help="random workload: prompt tokens per request (default 1024)")
+    w.add_argument("--output-len", "--random-output-len", type=int, default=None,
+                   help="random workload: output tokens per request (default 128)")
+    w.add_argument("--range-ratio", "--random-range-ratio", type=float, default=None,
+                   help="random workload: lengths uniform in [len (1 - r), len (1 + r)] "
+                   "(default 0)")
     w.add_argument("--dataset-path", type=Path, default=None, metavar="JSON",
                    help="lengths from a ShareGPT-format JSON or a vLLM benchmark result "
                    "JSON on disk (implies --workload dataset)")
@@ -97,9 +100,9 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--replay", type=Path, metavar="JSONL", help="replay a trace instead of "
                    "--workload: {\"timestamp\": s, \"prompt_tokens\": n, \"output_tokens\": m} "
                    "per line (see refserve/simulator/workload.py)")
-    w.add_argument("--arrival", default="poisson", choices=ARRIVALS)
-    w.add_argument("--burstiness", type=_positive_float, default=4.0,
-                   help="bursty arrivals: coefficient of variation of the gaps")
+    w.add_argument("--arrival", default=None, choices=ARRIVALS, help="default poisson")
+    w.add_argument("--burstiness", type=_positive_float, default=None,
+                   help="--arrival bursty: coefficient of variation of the gaps (default 4)")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload")
 
 
@@ -140,6 +143,11 @@ def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
     r.add_argument("--engine", default=DEFAULT_ENGINE, choices=engine_names(),
                    help="whose host costs to price (scheduling, sampling, launches): an "
                    "entry of refserve/simulator/engines.toml")
+    e.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+                   help="vLLM V0's multi-step scheduling: one scheduler call, then N decode "
+                   "steps of the same batch; new requests wait for the round to end and a "
+                   "round's tokens reach the client together (refserve/simulator/"
+                   "multi_step.py)")
     r.add_argument("--served", action="store_true",
                    help="price an HTTP front end streaming every token (a served run, as "
                    "vLLM's benchmark_serving measures)")
@@ -216,8 +224,51 @@ def make_requests(args, model, max_model_len: int, rate: float, seed: int | None
         raise CLIError(str(e)) from None
 
 
+# The flags that describe one workload each (a flag implies its workload, and a flag of
+# another workload than the one chosen is an error: benchmark_datasets.resolve_workload).
+WORKLOAD_FLAGS = {"random": tuple(RANDOM_FLAGS), "dataset": ("dataset_path", "tokenizer")}
+DEFAULT_WORKLOAD = "chat"
+DEFAULT_RATE = 8.0
+
+
+def resolve_workload_args(args, rate: float | None = None) -> None:
+    """Check the workload flags of simulate / plan and fill in their defaults: a flag that
+    would change nothing is one `error:` line, never ignored. `rate`: simulate's --rate
+    (plan searches the rate)."""
+    given = {f: getattr(args, f) for flags in WORKLOAD_FLAGS.values() for f in flags
+             if getattr(args, f, None) is not None}
+    if args.replay is not None:
+        stray = [f for f in ("workload", "arrival", "burstiness", *given)
+                 if getattr(args, f, None) is not None]
+        if getattr(args, "num_requests_given", False):
+            stray.append("num_requests")
+        if stray:
+            names = ", ".join("--" + f.replace("_", "-") for f in stray)
+            raise CLIError(f"--replay takes the requests, their lengths and their arrival "
+                           f"times from the trace; {names} would change nothing: drop it")
+    else:
+        try:
+            args.workload = resolve_workload(args.workload, DEFAULT_WORKLOAD, given,
+                                             WORKLOAD_FLAGS)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+    if getattr(args, "tokenizer", None) is not None and args.dataset_path is None:
+        raise CLIError("--tokenizer counts the tokens of a --dataset-path file's text; give "
+                       "--dataset-path or drop --tokenizer")
+    if args.burstiness is not None and args.arrival != "bursty":
+        raise CLIError("--burstiness shapes --arrival bursty; add --arrival bursty or drop "
+                       "--burstiness")
+    if args.arrival == "bursty" and rate is not None and math.isinf(rate):
+        raise CLIError("--arrival bursty needs a finite --rate (inf sends every request at "
+                       "t = 0, with no gaps to shape)")
+    for name, default in (*RANDOM_FLAGS.items(), ("arrival", "poisson"),
+                          ("burstiness", 4.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def workload_name(args) -> str:
-    return "dataset" if args.dataset_path is not None else args.workload
+    return args.workload
 
 
 def token_counter(path: Path | None):
@@ -236,14 +287,15 @@ def token_counter(path: Path | None):
 def build_engine(model, gpu, config: EngineConfig, tensor_parallel_size: int,
                  spec_alpha: float = 0.7, seed: int = 0, *, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", engine: str = DEFAULT_ENGINE,
-                 served: bool = False):
+                 served: bool = False, num_scheduler_steps: int = 1):
     from refserve.simulator.engine import SimulatedEngine
 
     try:
         return SimulatedEngine(model, gpu, config, tensor_parallel_size=tensor_parallel_size,
                                spec_alpha=spec_alpha, spec_seed=seed,
                                quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                               engine=engine, served=served)
+                               engine=engine, served=served,
+                               num_scheduler_steps=num_scheduler_steps)
     except (ValueError, NotImplementedError) as e:
         raise CLIError(str(e)) from None
 
@@ -260,9 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=RawDescriptionHelpFormatter)
     add_hardware_args(p)
     w = p.add_argument_group("load")
-    w.add_argument("--rate", type=_positive_float, default=8.0,
-                   help="requests per second (inf: all at t = 0)")
-    w.add_argument("--num-requests", type=int, default=1000)
+    w.add_argument("--rate", type=_positive_float, default=None,
+                   help="requests per second (inf: all at t = 0; default 8); with --replay, "
+                   "rescales the trace's timestamps to this mean rate")
+    w.add_argument("--num-requests", type=int, default=None, help="default 1000")
     w.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="SECONDS",
                    help="with --slo-tpot: report goodput (requests/s within both SLOs)")
     w.add_argument("--slo-tpot", type=_positive_float, default=None, metavar="SECONDS")
@@ -278,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    args.num_requests_given = args.num_requests is not None
+    if args.rate is None and args.replay is None:
+        args.rate = DEFAULT_RATE
+    resolve_workload_args(args, args.rate)
+    if args.num_requests is None:
+        args.num_requests = 1000
     if args.num_requests < 1:
         raise CLIError(f"--num-requests {args.num_requests}: must be >= 1")
     check_out_paths(args)
@@ -286,8 +345,10 @@ def run(args) -> int:
     engine = build_engine(model, gpu, config, args.tensor_parallel_size, args.spec_alpha,
                           args.seed, quantization=args.quantization,
                           kv_cache_dtype=args.kv_cache_dtype, engine=args.engine,
-                          served=args.served)
-    requests = make_requests(args, model, engine.max_model_len, args.rate)
+                          served=args.served,
+                          num_scheduler_steps=args.num_scheduler_steps)
+    requests = make_requests(args, model, engine.max_model_len,
+                             math.inf if args.rate is None else args.rate)
     try:
         engine.check_requests(requests)
     except ValueError as e:
@@ -301,6 +362,7 @@ def run(args) -> int:
     print(engine.cost_model.describe())
     source = f"replay of {args.replay}" if args.replay else (
         f"{workload_name(args)}, {args.arrival} arrivals at {args.rate:g} req/s")
+    rate_text = "the trace's times" if args.rate is None else f"{args.rate:g} req/s"
     print(f"workload: {len(requests)} requests, {source}, seed {args.seed}", flush=True)
     recorder = TraceRecorder() if args.trace is not None else None
     t0 = time.perf_counter()
@@ -335,6 +397,7 @@ def run(args) -> int:
             "kv_cache_layout")},
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "engine": args.engine, "served": args.served,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "speculative_config": (None if config.speculative_config is None
                                else vars(config.speculative_config)),
         "spec_alpha": args.spec_alpha if config.speculative_config is not None else None,
@@ -353,7 +416,7 @@ def run(args) -> int:
         print(f"numbers written to {args.json}")
     if args.plot is not None:
         title = (f"{model.name} on {args.tensor_parallel_size} x {gpu.name} | "
-                 f"{'replay' if args.replay else workload_name(args)} at {args.rate:g} req/s")
+                 f"{'replay' if args.replay else workload_name(args)} at {rate_text}")
         plot(result, engine, args.plot, title, args.slo_ttft, args.slo_tpot)
         print(f"plot written to {args.plot}")
     if recorder is not None:

@@ -31,7 +31,8 @@ def test_a_separate_kv_efficiency_is_recovered():
     """The NumPy engine gathers KV far slower per byte than it streams weights: with
     separate_kv the fit tells the two apart (and without it cannot)."""
     model, gpu = load_model("smollm2-135m"), load_gpu("h100-80gb")
-    truth = Efficiencies(0.5, 0.8, 0.4, 1e-3, 1e-5, kv_bandwidth=0.03)
+    truth = Efficiencies(0.5, 0.8, 0.4, 1e-3, 1e-5, kv_bandwidth=0.03,
+                         kernel_gap_s=gpu.kernel_gap_s)
     measured = CostModel(model, gpu, "bfloat16", efficiencies=truth)
     steps = [StepComposition.from_rows([(1, ctx, 1)] * b)
              for b in (1, 2, 4, 8, 16, 32) for ctx in (64, 512, 2048)]

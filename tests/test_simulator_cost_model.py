@@ -5,7 +5,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition
+from refserve.simulator.composition import CompositionArrays, tile_counts
+from refserve.simulator.cost_model import (
+    KERNELS_PER_LAYER,
+    TILE_OVERHEAD,
+    CostModel,
+    Efficiencies,
+    StepComposition,
+)
 from refserve.simulator.hardware import GpuProfile, ModelShape, load_gpu, load_model
 from refserve.simulator.step_fit import fit, replay
 
@@ -26,14 +33,33 @@ def test_composition_sums_by_hand():
     comp = StepComposition.from_rows([(4, 4, 1), (1, 10, 1)])
     # query-key pairs: the prefill's 4 queries see 1, 2, 3, 4 keys = 10; the decode 10
     # both rows sample; the prefill has query tokens without logits (a prefill row)
+    # the decode's 10 pairs need no tiles; the prefill is one query tile over one key tile
     assert comp == StepComposition(num_rows=2, num_tokens=5, num_logits=2,
                                    context_tokens=14, attention_pairs=20,
-                                   num_sampling_rows=2, num_prefill_rows=1)
+                                   num_sampling_rows=2, num_prefill_rows=1, decode_pairs=10,
+                                   attention_tiles=1, query_tiles=1)
     # A chunk of 3 tokens at positions 5..7 (context 8 after the step), no logits:
     # queries see 6, 7, 8 keys.
     assert StepComposition.from_rows([(3, 8, 0)]).attention_pairs == 21
     with pytest.raises(ValueError, match="1 <= q <= c"):
         StepComposition.from_rows([(5, 4, 1)])
+
+
+def test_attention_tiles_by_hand():
+    # 300 queries of a new sequence: query tiles of 128, 128, 44 run over 1, 2, 3 key tiles
+    assert tile_counts(300, 300) == (6, 3)
+    # a 100-token chunk ending at context 400: one query tile over ceil(400 / 128) = 4
+    assert tile_counts(100, 400) == (4, 1)
+    # 256 queries after 100 cached tokens: query tiles end at keys 228 and 356: 2 + 3
+    assert tile_counts(256, 356) == (5, 2)
+    # a GPU profile prices the tiles (and each query tile's prologue); the toy one exactly
+    gpu = dataclasses.replace(GPU, attention_tile=128)
+    comp = StepComposition.from_rows([(300, 300, 1), (1, 50, 1)])
+    tiled = CostModel(TOY, gpu, "bfloat16").work(comp)["attention_flops"]
+    pairs = 50 + 128**2 * (6 + TILE_OVERHEAD * 3)
+    assert tiled == pytest.approx(4 * 2 * 8 * pairs)
+    exact = CostModel(TOY, GPU, "bfloat16").work(comp)["attention_flops"]
+    assert exact == 4 * 2 * 8 * (300 * 301 // 2 + 50)
 
 
 def test_terms_by_hand():
@@ -120,7 +146,7 @@ def test_fit_recovers_known_efficiencies():
     model = load_model("llama-3-8b")
     gpu = load_gpu("h100-80gb")
     truth = Efficiencies(flops=0.7, bandwidth=0.85, attention=0.5, step_overhead_s=4e-4,
-                         row_overhead_s=2e-6)
+                         row_overhead_s=2e-6, kernel_gap_s=gpu.kernel_gap_s)
     measured = CostModel(model, gpu, "bfloat16", efficiencies=truth)
     profile = _synthetic_profile(measured, np.random.default_rng(0))
     prior = CostModel(model, gpu, "bfloat16")  # starts from the profile's priors
@@ -138,7 +164,7 @@ def test_fit_recovers_known_efficiencies():
 
 def test_fit_keeps_the_prior_of_what_the_profile_never_exercises():
     model, gpu = load_model("llama-3-8b"), load_gpu("h100-80gb")
-    truth = Efficiencies(0.7, 0.85, 0.5, 4e-4, 2e-6)
+    truth = Efficiencies(0.7, 0.85, 0.5, 4e-4, 2e-6, kernel_gap_s=gpu.kernel_gap_s)
     measured = CostModel(model, gpu, "bfloat16", efficiencies=truth)
     decodes = [StepComposition.from_rows([(1, ctx, 1)] * b)
                for b, ctx in ((1, 4000), (4, 300), (16, 2000), (64, 100), (32, 1200))]
@@ -158,8 +184,8 @@ def test_fit_of_indistinguishable_parameters_stays_near_the_prior():
     together, so the data fit many parameter sets; the fit must still predict them and
     keep sane (finite, positive) efficiencies instead of running off to infinity."""
     model, gpu = load_model("llama-3-8b"), load_gpu("h100-80gb")
-    measured = CostModel(model, gpu, "bfloat16",
-                         efficiencies=Efficiencies(0.7, 0.85, 0.5, 4e-4, 2e-6))
+    measured = CostModel(model, gpu, "bfloat16", efficiencies=Efficiencies(
+        0.7, 0.85, 0.5, 4e-4, 2e-6, kernel_gap_s=gpu.kernel_gap_s))
     decodes = [StepComposition.from_rows([(1, 512, 1)] * b) for b in (1, 4, 16, 64)]
     result = fit(CostModel(model, gpu, "bfloat16"), [(c, measured.time(c)) for c in decodes])
     assert result.max_relative_error < 1e-3
@@ -204,8 +230,37 @@ def test_cpu_term_by_hand_offline_and_served():
     # step + row x R + sample_row x N = 0.01 + 0.001 x 2 + 0.002 x 1
     assert offline.terms(comp)["cpu"] == pytest.approx(0.014)
     served = CostModel(TOY, GPU, "bfloat16", efficiencies=HOST, served=True)
-    # + front_end_row x N (one streamed token) = 0.004
-    assert served.terms(comp)["cpu"] == pytest.approx(0.018)
+    # the front end is a process of its own: front_end_row x N (one streamed token) =
+    # 0.004 s beside the engine's work, which takes longer; the token reaches its client
+    # 0.004 s after the step
+    terms = served.terms(comp)
+    assert terms["cpu"] == pytest.approx(0.014) and terms["front_end"] == pytest.approx(0.004)
+    assert served.time(comp) == pytest.approx(offline.time(comp))
+    assert served.delivery_delay(comp) == pytest.approx(0.004)
+    assert offline.delivery_delay(comp) == 0.0
+
+
+def test_async_output_is_a_lane_beside_the_serial_work():
+    comp = StepComposition.from_rows([(1, 10, 1)] * 3)
+    sync = CostModel(TOY, GPU, "bfloat16", efficiencies=HOST)
+    lane = CostModel(TOY, GPU, "bfloat16", efficiencies=HOST, async_output=True)
+    # sampling 3 rows x 0.002 s: added to the step, or processed while the next one runs
+    assert sync.time(comp) - lane.time(comp) == pytest.approx(0.006)
+    assert lane.output_lane(comp) == pytest.approx(0.006) and sync.output_lane(comp) == 0
+    slow = dataclasses.replace(HOST, sample_row_s=1.0)  # a lane longer than the GPU's work
+    assert CostModel(TOY, GPU, "bfloat16", efficiencies=slow, async_output=True).time(
+        comp) == pytest.approx(3.0)
+
+
+def test_kernel_gaps_and_continuation_steps_by_hand():
+    eff = dataclasses.replace(HOST, kernel_gap_s=1e-4)
+    cm = CostModel(TOY, GPU, "bfloat16", efficiencies=eff)
+    rows = [(1, 10, 1), (1, 20, 1)]
+    called = StepComposition.from_rows(rows)
+    assert cm.terms(called)["kernels"] == pytest.approx(2 * KERNELS_PER_LAYER * 1e-4)
+    # a multi-step round's continuation step pays no scheduler call: step + 2 rows
+    continued = StepComposition.from_rows(rows, scheduled=False)
+    assert cm.time(called) - cm.time(continued) == pytest.approx(0.01 + 2 * 0.001)
 
 
 def test_launch_term_by_hand_graphs_and_eager():
@@ -256,13 +311,27 @@ def test_kv_read_per_query_head_multiplies_the_kv_bytes():
     assert per_head.work(comp)["kv_bytes"] == plain * TOY.num_heads // TOY.num_kv_heads
 
 
-def test_features_reproduce_the_step_time():
-    """The fit's linear form (constant + coefficients x values) is the step time."""
-    gpu = dataclasses.replace(GPU, peak_flops={"bfloat16": 1e6, "fp8": 2e6})
-    cm = CostModel(TOY, gpu, "bfloat16", 2, HOST, quantization="fp8", served=True)
-    for rows in ([(1, 10, 1)] * 3, [(4, 4, 1), (3, 8, 0)], [(5, 60, 0)]):
-        comp = StepComposition.from_rows(rows)
-        constant, coef = cm.features(comp)
+def test_linear_form_reproduces_the_step_time():
+    """The fit's linear form (constant + coefficients x values) is the step time, for one
+    step and for many at once, whichever lane is the longest."""
+    gpu = dataclasses.replace(GPU, peak_flops={"bfloat16": 1e6, "fp8": 2e6},
+                              attention_tile=128)
+    eff = dataclasses.replace(HOST, kernel_gap_s=1e-4)
+    steps = [StepComposition.from_rows(rows, scheduled)
+             for rows, scheduled in (([(1, 10, 1)] * 3, True), ([(4, 4, 1), (3, 8, 0)], True),
+                                     ([(5, 60, 0)], False), ([(1, 9, 1)] * 40, False))]
+    for served, async_output, front in ((True, False, 0.004), (True, True, 0.05),
+                                        (False, True, 0.0)):
+        e = dataclasses.replace(eff, front_end_row_s=front)
+        cm = CostModel(TOY, gpu, "bfloat16", 2, e, quantization="fp8", served=served,
+                       async_output=async_output)
         values = cm.fitted_values()
+        for comp in steps:
+            constant, coef = cm.linearize(comp)
+            assert constant + sum(coef[k] * values[k] for k in coef) == pytest.approx(
+                cm.time(comp))
+        arrays = CompositionArrays.of(steps)
+        constant, coef = cm.linearize(arrays)
         assert constant + sum(coef[k] * values[k] for k in coef) == pytest.approx(
-            cm.time(comp))
+            cm.time(arrays))
+        assert cm.time(arrays) == pytest.approx([cm.time(c) for c in steps])

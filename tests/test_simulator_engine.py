@@ -86,23 +86,27 @@ def test_nothing_below_the_top_floor_imports_the_simulator():
 
 
 def test_one_request_alone_costs_one_prefill_then_its_decodes():
-    """The virtual clock by hand: TTFT is the prefill step, each later token one decode
-    step at its context, TPOT their mean."""
+    """The virtual clock by hand: the prefill step, then one decode step per token at its
+    context. vLLM's profile processes a step's outputs while the next step runs, so a
+    token reaches the client when the step after its own ends (the last one, with no
+    step after it, its output lane later)."""
     engine = small_engine(max_num_batched_tokens=512)
     prompt, out = list(range(1000, 1100)), list(range(2000, 2005))
     result = engine.run([SimRequest("a", 3.0, prompt, out)])
     cm = engine.cost_model
     prefill = cm.time(StepComposition.from_rows([(100, 100, 1)]))
     decodes = [cm.time(StepComposition.from_rows([(1, 100 + k, 1)])) for k in range(1, 5)]
+    lane = cm.output_lane(StepComposition.from_rows([(1, 104, 1)]))
+    assert lane > 0 and cm.async_output
     m = result.metrics["a"]
     assert m.arrival_time == 3.0
-    assert m.ttft == pytest.approx(prefill)
-    assert m.finish_time == pytest.approx(3.0 + prefill + sum(decodes))
-    assert m.tpot == pytest.approx(sum(decodes) / 4)
+    assert m.ttft == pytest.approx(prefill + decodes[0])
+    assert m.finish_time == pytest.approx(3.0 + prefill + sum(decodes) + lane)
+    assert m.tpot == pytest.approx((sum(decodes[1:]) + lane) / 4)
     assert m.num_output_tokens == 5 and m.num_target_passes == 5
     assert result.num_steps == 5
-    # inter-token latencies: one per later token, each its decode step
-    assert list(result.itl) == pytest.approx(decodes)
+    # inter-token latencies: one per later token, each the step that delivered it
+    assert list(result.itl) == pytest.approx([*decodes[1:], lane])
 
 
 def test_itl_includes_the_wait_of_a_stalled_or_preempted_request():
@@ -170,7 +174,8 @@ def test_shared_system_prompt_hits_the_prefix_cache_for_real():
     on, off = run(True), run(False)
     assert on.prefix_hit_rate > 0.8
     assert off.prefix_hit_rate is None
-    assert on.ttft_p50 < off.ttft_p50 / 3
+    # caching spares most of the shared 1500-token prefill (~35 ms on an H100)
+    assert off.ttft_p50 - on.ttft_p50 > 0.02
 
 
 def test_same_seed_same_run_other_seed_other_run():

@@ -36,7 +36,8 @@ def test_the_p99_early_stop_is_certain_and_not_early():
 
 
 def test_chosen_configuration_meets_its_slos_on_another_seed():
-    slo = SLO(ttft_p99=1.0, tpot_p99=0.012)  # a tight TPOT: the batch size matters
+    # a tight TPOT (vLLM V0 pays a ~9 ms scheduler call per step): the batch size matters
+    slo = SLO(ttft_p99=1.0, tpot_p99=0.022)
     planner = Planner(MODEL, GPU, requests, slo, num_requests=120, seed=0, tolerance=0.05)
     start = Candidate(EngineConfig(max_model_len=2048, max_num_seqs=256), 1)
     best, best_ev, tried = planner.search(start, {"max_num_seqs": [32, 128, 256],

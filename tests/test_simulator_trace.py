@@ -15,10 +15,12 @@ MODEL = load_model("llama-3-8b")
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    # Small pool and budget: chunked prefills, stalls and preemptions all happen.
+    # Small pool and budget: chunked prefills, stalls and preemptions all happen. An engine
+    # that processes its outputs in the step (not vLLM's asynchronous way): a token reaches
+    # its client when its step ends, where the spans end.
     engine = SimulatedEngine(MODEL, load_gpu("h100-80gb"), EngineConfig(
         num_gpu_blocks_override=40, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-        max_model_len=512))
+        max_model_len=512), engine="sglang")
     requests = make_workload("chat", 40, 200.0, vocab_size=MODEL.vocab_size,
                              max_model_len=512, seed=3)
     recorder = TraceRecorder()

@@ -47,18 +47,25 @@ def add_arguments(p) -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0],
                    help="request rates to sweep (requests / s)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
-    p.add_argument("--workload", "--dataset-name", default="corpus",
+    p.add_argument("--workload", "--dataset-name", default=None,
                    choices=("corpus", *DATASETS),
-                   help="corpus: questions about the bundled text; random / sharegpt: "
-                   "vLLM's benchmark lengths, as token-id prompts")
-    p.add_argument("--input-len", "--random-input-len", type=int, default=1024)
-    p.add_argument("--output-len", "--random-output-len", type=int, default=128)
-    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0)
+                   help="corpus (the default): questions about the bundled text; random / "
+                   "sharegpt: vLLM's benchmark lengths, as token-id prompts (--input-len, "
+                   "--output-len or --range-ratio imply random, --dataset-path a file's "
+                   "lengths)")
+    p.add_argument("--input-len", "--random-input-len", type=int, default=None,
+                   help="random: prompt tokens (default 1024)")
+    p.add_argument("--output-len", "--random-output-len", type=int, default=None,
+                   help="random: output tokens (default 128)")
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=None,
+                   help="random: lengths uniform in [len (1 - r), len (1 + r)] (default 0)")
     p.add_argument("--dataset-path", type=Path, default=None, metavar="JSON",
                    help="lengths from a ShareGPT JSON or a vLLM benchmark result JSON")
-    p.add_argument("--mean-output", type=int, default=64)
-    p.add_argument("--max-paragraphs", type=int, default=2,
-                   help="each prompt: 0..this many corpus paragraphs, then a question")
+    p.add_argument("--mean-output", type=int, default=None,
+                   help="corpus: mean output tokens (default 64)")
+    p.add_argument("--max-paragraphs", type=int, default=None,
+                   help="corpus: each prompt has 0..this many corpus paragraphs, then a "
+                   "question (default 2)")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds per output token")
     p.add_argument("--usd-per-hour", type=float, default=0.10,
@@ -72,12 +79,34 @@ def add_arguments(p) -> None:
                         "the first one it lists at /v1/models")
 
 
+# The flags that describe one workload each: a flag implies its workload, and one of
+# another workload than the chosen one is an error (benchmark_datasets.resolve_workload).
+WORKLOAD_FLAGS = {"random": tuple(datasets.RANDOM_FLAGS), "dataset": ("dataset_path",),
+                  "corpus": ("mean_output", "max_paragraphs")}
+CORPUS_DEFAULTS = {"mean_output": 64, "max_paragraphs": 2}
+
+
+def resolve_workload_args(args) -> None:
+    """The workload the flags ask for, and their defaults (ValueError: a flag that would
+    change nothing)."""
+    given = {f: getattr(args, f) for flags in WORKLOAD_FLAGS.values() for f in flags
+             if getattr(args, f) is not None}
+    args.workload = datasets.resolve_workload(args.workload, "corpus", given, WORKLOAD_FLAGS)
+    for name, default in (*datasets.RANDOM_FLAGS.items(), *CORPUS_DEFAULTS.items()):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.mean_output <= 0 or args.max_paragraphs < 0:
+        raise ValueError("--mean-output must be > 0 and --max-paragraphs >= 0")
+
+
 def apply_quick(args) -> None:
-    args.rates, args.num_requests, args.mean_output, args.max_paragraphs = [1.0, 4.0], 4, 6, 0
+    args.rates, args.num_requests = [1.0, 4.0], 4
+    if args.workload in (None, "corpus") and args.dataset_path is None and all(
+            getattr(args, f) is None for f in datasets.RANDOM_FLAGS):
+        args.mean_output, args.max_paragraphs = 6, 0
 
 
-POSITIVE = ("rates", "num_requests", "mean_output", "slo_ttft", "slo_tpot", "max_num_seqs",
-            "max_waiting")
+POSITIVE = ("rates", "num_requests", "slo_ttft", "slo_tpot", "max_num_seqs", "max_waiting")
 
 
 # Token ids of the length workloads' prompts: ordinary ids of any byte-level vocabulary
@@ -240,6 +269,7 @@ def _server(args):
 
 
 def run(args) -> dict:
+    resolve_workload_args(args)
     if args.url and getattr(args, "trace", None) is not None:
         raise ValueError("--trace records the server this bench starts; with --url, trace "
                          "the server where it runs")

@@ -4,10 +4,15 @@ The real `Scheduler` and `KVCacheManager` run on a virtual clock; only the model
 replaced, by a roofline cost model of the step's composition on a GPU profile. Modules:
 
     hardware.py    GPU profiles (gpus.toml: every number with its source) and model shapes
+    composition.py what a step computes: the sums the cost model prices
     cost_model.py  the step time: roofline terms, precision, the host's terms
+    multi_step.py  vLLM V0's --num-scheduler-steps rounds around the real scheduler
+    delivery.py    when a simulated token reaches its client, as steps
     engine_overheads.py, engines.toml   each serving engine's host terms, as data
     step_fit.py    `fit` of the efficiencies to measured steps; `replay` of measured times
-    world.py, world_fit.py, measurements.toml   published GPU measurements, replayed and fitted
+    world.py, measurements/   published GPU measurements (one file per source), replayed
+    world_fit.py, bounds.py, bounds.toml   the fit of the constants, each inside its
+                   physical range; world_validate.py: leave a source or an engine out
     workload.py    arrivals (Poisson, bursty), length distributions, shared prefixes, traces
     engine.py      `SimulatedEngine`: schedule, price, update; the real engine's metrics
     outputs.py     what the "model" emits: the next tokens; speculation's drawn acceptance

@@ -1,61 +1,62 @@
 """The time of one engine step, from what the step computes: a roofline per kernel family.
 
-A step is rows of "q query tokens at the end of a context of c tokens" (a prefill chunk, a
-decode: q = 1, a speculative verify: q = k + 1); l of a row's positions need logits. Its
-composition is five sums (`StepComposition`):
-
-    R = number of rows                    T = sum q      (query tokens)
-    S = sum l      (logits rows)          C = sum c      (KV tokens read)
-    A = sum (q c - q (q - 1) / 2)         query-key pairs: query j of a row attends the
-                                          c - q + j + 1 keys up to itself (causal)
-
-With P = layer_params, V H = lm_head_params (refserve/simulator/hardware.py), b bytes per
-weight, kv = KV bytes per token, L layers, W = num_heads * head_dim and p GPUs of tensor
-parallelism, one GPU's work is (WARMUP §8, per GPU):
+With the step's sums R, T, S, C, A, N, D, K, Q (composition.py), P = layer_params,
+V H = lm_head_params (hardware.py), b bytes per weight, kv = KV bytes per token, L layers,
+W = num_heads * head_dim and p GPUs of tensor parallelism, one GPU's work is (WARMUP §8):
 
     GEMMs      F_lin = (2 T P + 2 S V H) / p   FLOPs      B_lin = b (P + V H) / p   bytes
-    attention  F_att = 4 L W A / p             FLOPs      B_kv  = kv / p * C        bytes
-               (QK^T and PV: 2 FLOPs per multiply-add each; every cached K/V read once)
+    attention  F_att = 4 L W / p x pairs       FLOPs      B_kv  = kv / p * C        bytes
+               pairs = A                        exactly (the NumPy reference, "this machine")
+               pairs = D + B^2 (K + TILE_OVERHEAD Q)   on a GPU (attention_tile = B > 0):
+                       the tiles a FlashAttention-style kernel computes, the causal
+                       diagonal ones in full, plus each query tile's fixed prologue and
+                       epilogue (TILE_OVERHEAD below); decodes (q = 1) read their keys
+                       without tiles
 
-and the step takes
+and the step takes, on the GPU,
 
-    t = max(F_lin / (peak e_flops), B_lin / (bandwidth e_bw))       GEMMs: compute or weights
-      + max(F_att / (peak e_attn), B_kv / (bandwidth e_kv))         attention: compute or KV
-      + 2 L [2 (p - 1) / p * T H b / link + latency]  (p > 1)       two ring all-reduces of
-                                                                    the T x H activations
-                                                                    per layer
-      + launch                                                      kernel launches
-      + cpu                                                         the host's share
+    linear     max(F_lin / (peak e_flops), B_lin / (bandwidth e_bw))   compute or weights
+    attention  max(F_att / (peak e_attn), B_kv / (bandwidth e_kv))     compute or KV cache
+    allreduce  2 L [2 (p - 1) / p * T H b / link + latency]  (p > 1)   two ring all-reduces
+                                                                       of the T x H
+                                                                       activations per layer
+    kernels    L * KERNELS_PER_LAYER * kernel_gap                      each kernel's fixed
+                                                                       cost (ramp-up, tail,
+                                                                       the gap to the next)
 
-    launch = 0 when the step replays a CUDA graph (every row a decode or a verify, at most
-             max_graph_batch rows, enforce_eager off: vLLM captures decode batches only),
-             else L * eager_layer_s: each layer's kernels launched one by one
-    cpu    = step_overhead + row_overhead * R + sample_row * N + front_end_row * N (served)
-             step_overhead: scheduling and the step's fixed host work; row_overhead:
-             preparing each scheduled row's inputs and block table; sample_row: sampling,
-             detokenizing and appending each token of the N rows that sample; front_end_row:
-             an HTTP server streaming each of those tokens (served runs only: an API server
-             process in vLLM V0 costs a third of the step, vLLM's v0.6.0 post)
+and on the host (the engine's terms, engines.toml):
 
-The host's work is added to the GPU's, not overlapped with it, as in an engine that
-schedules the next step after the last one returned (vLLM V0 without multi-step; a
-published figure from an engine that overlaps them fits a smaller cpu term).
+    launch     0 for a CUDA-graph replay (every row a decode or verify, at most
+               max_graph_batch rows, enforce_eager off), else L * eager_layer_s
+    schedule   scheduled * (step_overhead + row_overhead * R): one scheduler call and its
+               inputs (0 on the continuation steps of a multi-step round)
+    output     sample_row * N: sampling, detokenizing, stop checks of the rows that sample
+    front_end  front_end_row * N (served runs only): the HTTP server streaming each token
+
+The GPU work, the launches and the scheduler call run in series (the engine prepares the
+next step after the last one returned). The front end is another process (vLLM 0.6's
+API server and SGLang's tokenizer manager both run apart from the engine), and an engine
+with asynchronous output processing (`async_output`: vLLM 0.6 processes step n's outputs
+while step n + 1 runs) has the output work on a lane of its own, so
+
+    t = max(serial, output if async_output, front_end)
+    serial = linear + attention + allreduce + kernels + launch + schedule
+             + (output unless async_output)
+
+A token sampled in a step reaches its client the front end's time (`delivery_delay`)
+after its outputs are processed: when the step ends, or with async_output when the next
+step ends (the simulated engine holds them back; `output_lane` when no step follows).
 
 Precision. `dtype` is the activations' (and the attention's) dtype. `quantization="fp8"`
 (vLLM's --quantization fp8) stores the weights in one byte and runs the GEMMs at the GPU's
-fp8 peak; `kv_cache_dtype="fp8"` (--kv-cache-dtype fp8) stores K and V in one byte, which
-halves B_kv (and doubles the pool, engine.py); the attention still computes in `dtype`.
+fp8 peak; `kv_cache_dtype="fp8"` stores K and V in one byte, which halves B_kv; the
+attention still computes in `dtype`.
 
-Each `max` is one roofline: a kernel is bound by its compute or by its memory traffic,
-whichever takes longer. A decode step at batch 1 is all weight bytes (t ~ B_lin / bw); a
-2048-token prefill is all FLOPs (t ~ F_lin / peak). The efficiencies e_flops, e_bw, e_kv,
-e_attn, the all-reduce latency and the host terms are the only fitted numbers
-(step_fit.fit on measured steps; world_fit.fit on published measurements, `python -m
-refserve.bench sim-world`); everything else is the model's shape and the GPU's data sheet.
-e_kv, the fraction of the bandwidth the KV gather reaches, is e_bw unless fitted apart:
-streaming weights through a GEMM and gathering a paged cache block by block are different
-kernels (on the NumPy engine the gather is about 30x slower per byte than the weight read,
-bench sim-fidelity; on the GPUs of the published rows it is faster than the weight read).
+The fitted numbers are the efficiencies e_flops, e_bw, e_kv, e_attn, the all-reduce
+latency, the kernel gap and the host terms; each has a physical range with its source
+(bounds.toml, refserve/simulator/bounds.py) and the fit (world_fit.py) stays inside it.
+Everything else is the model's shape, the GPU's data sheet and the two kernel constants
+below.
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from refserve.capacity import DTYPE_BYTES, kv_cache_dtype_bytes, weight_dtype_bytes
+from refserve.simulator.composition import ATTENTION_TILE, CompositionArrays, StepComposition
 
 if TYPE_CHECKING:
-    from refserve.scheduler import SchedulerOutput
     from refserve.simulator.engine_overheads import EngineOverheads
     from refserve.simulator.hardware import GpuProfile, ModelShape
 
@@ -74,44 +77,30 @@ if TYPE_CHECKING:
 # max_seq_len_to_capture aside): 512 in vLLM V1's cudagraph_capture_sizes (256 in V0).
 MAX_GRAPH_BATCH = 512
 
+# A query tile's fixed cost (loading its queries, the softmax's final rescale, writing its
+# output), in units of one key-tile iteration. From the FlashAttention-3 forward pass at
+# head dimension 128 on an H100, batch x length = 16K, 16 heads (pytorch/benchmark commit
+# ff65cb6, PR #2391): 430.3, 517.1, 565.5, 590.2, 614.2, 620.7 TFLOP/s at lengths 512 ...
+# 16384 (the benchmark's default, non-causal). With n = length / 128 key tiles per query
+# tile, n / (n + 1.85) times one plateau (630 TFLOP/s) reproduces all six within 1.0%.
+TILE_OVERHEAD = 1.85
 
-@dataclass(frozen=True)
-class StepComposition:
-    """The five sums of a step (see the module docstring)."""
+# The kernels of one Llama layer outside the all-reduces, as vLLM runs it: the fused
+# residual-add + RMSNorm, the QKV GEMM, rotary embedding, the KV-cache write, attention,
+# the output GEMM, the second norm, the gate-up GEMM, SiLU-and-multiply, the down GEMM.
+KERNELS_PER_LAYER = 10
 
-    num_rows: int = 0
-    num_tokens: int = 0
-    num_logits: int = 0
-    context_tokens: int = 0
-    attention_pairs: int = 0
+STEP_HOST_TERMS = ("step_overhead_s", "row_overhead_s", "sample_row_s", "front_end_row_s",
+                   "eager_layer_s")
+GPU_TERMS = ("flops", "fp8_flops", "bandwidth", "attention", "kv_bandwidth",
+             "allreduce_latency_s", "kernel_gap_s")
 
-    num_sampling_rows: int = 0   # N: rows that sample (l > 0)
-    num_prefill_rows: int = 0    # rows with query tokens that need no logits (q > l)
 
-    @classmethod
-    def from_rows(cls, rows) -> StepComposition:
-        """rows: (q query tokens, c context length after the step, l logits rows) each."""
-        r = t = s = c = a = n = p = 0
-        for q, ctx, logits in rows:
-            if not 1 <= q <= ctx or not 0 <= logits <= q:
-                raise ValueError(f"a row needs 1 <= q <= c and 0 <= l <= q, got "
-                                 f"(q={q}, c={ctx}, l={logits})")
-            r += 1
-            t += q
-            s += logits
-            c += ctx
-            a += q * ctx - q * (q - 1) // 2
-            n += logits > 0
-            p += q > logits
-        return cls(r, t, s, c, a, n, p)
-
-    @classmethod
-    def of(cls, out: SchedulerOutput) -> StepComposition:
-        """The composition of a scheduler step: a row computes [start, start +
-        num_scheduled_tokens);
-        static batching's padding rows cost what a decode row costs."""
-        return cls.from_rows((row.num_scheduled_tokens, row.end, row.num_logits)
-                             for row in out.scheduled + out.padding)
+def _max(a, b):
+    """max of two numbers, or elementwise of arrays (the formulas take both)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.maximum(a, b)
+    return a if a >= b else b
 
 
 @dataclass(frozen=True)
@@ -127,10 +116,16 @@ class Efficiencies:
     sample_row_s: float = 0.0      # host seconds per sampling row (sampling, detokenizing)
     front_end_row_s: float = 0.0   # an HTTP front end's seconds per streamed token
     eager_layer_s: float = 0.0     # launch seconds per layer of a step without a CUDA graph
+    kernel_gap_s: float = 0.0      # the GPU's fixed seconds per kernel
+    fp8_flops: float | None = None  # e_flops of fp8 GEMMs; None: the same as flops
 
     @property
     def kv(self) -> float:
         return self.bandwidth if self.kv_bandwidth is None else self.kv_bandwidth
+
+    @property
+    def fp8(self) -> float:
+        return self.flops if self.fp8_flops is None else self.fp8_flops
 
     @classmethod
     def of(cls, gpu: GpuProfile, engine: EngineOverheads | None = None) -> Efficiencies:
@@ -138,7 +133,8 @@ class Efficiencies:
         else the GPU profile's own two overheads."""
         eff = cls(gpu.flops_efficiency, gpu.bandwidth_efficiency, gpu.attention_efficiency,
                   gpu.step_overhead_s, gpu.row_overhead_s,
-                  kv_bandwidth=gpu.kv_bandwidth_efficiency or None)
+                  kv_bandwidth=gpu.kv_bandwidth_efficiency or None,
+                  kernel_gap_s=gpu.kernel_gap_s, fp8_flops=gpu.fp8_flops_efficiency or None)
         return eff if engine is None else engine.apply(eff)
 
 
@@ -146,14 +142,16 @@ class CostModel:
     """Step time of `model` on `tensor_parallel_size` x `gpu` in `dtype` (module docstring).
 
     `step_time(out)` is the simulator's interface: anything with that method (e.g. a replay
-    of measured step times) can stand in for this class.
+    of measured step times) can stand in for this class. Every formula takes a
+    StepComposition or a CompositionArrays (many steps at once).
     """
 
     def __init__(self, model: ModelShape, gpu: GpuProfile, dtype: str,
                  tensor_parallel_size: int = 1, efficiencies: Efficiencies | None = None, *,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool = False, served: bool = False,
-                 max_graph_batch: int = MAX_GRAPH_BATCH, kv_read_per_query_head: bool = False):
+                 max_graph_batch: int = MAX_GRAPH_BATCH, kv_read_per_query_head: bool = False,
+                 async_output: bool = False):
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -164,9 +162,11 @@ class CostModel:
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
         self.enforce_eager, self.served = enforce_eager, served
         self.max_graph_batch = max_graph_batch
+        self.async_output = async_output
         b_w = weight_dtype_bytes(dtype, quantization)   # refuses an unknown quantization
         b_kv = kv_cache_dtype_bytes(dtype, kv_cache_dtype)
         self.gemm_dtype = "fp8" if quantization == "fp8" else dtype
+        self.gemm_value = "fp8_flops" if quantization == "fp8" else "flops"  # linearize's
         self.peak = gpu.peak(self.gemm_dtype)   # the GEMMs'
         self.attention_peak = gpu.peak(dtype)   # attention computes in the activations' dtype
         b = DTYPE_BYTES[dtype]
@@ -176,108 +176,173 @@ class CostModel:
         self.flops_per_logit = 2 * model.lm_head_params / p
         self.weight_bytes = b_w * (model.layer_params + model.lm_head_params) / p
         self.flops_per_pair = 4 * model.num_layers * model.attention_width / p
+        self.tile = ATTENTION_TILE if gpu.attention_tile else 0
         self.kv_read_per_query_head = kv_read_per_query_head
         # An engine without a grouped-query kernel reads each KV head once per query head.
         group = model.num_heads // model.num_kv_heads if kv_read_per_query_head else 1
         self.kv_bytes_per_token = model.kv_bytes_per_token(b_kv, p) * group
         self.allreduce_bytes_per_token = model.hidden_size * b
         self.num_allreduces = 2 * model.num_layers if p > 1 else 0
+        self.num_kernels = model.num_layers * KERNELS_PER_LAYER
 
     # ---- the formulas ----------------------------------------------------------------
 
-    def work(self, comp: StepComposition) -> dict[str, float]:
+    @property
+    def gemm_efficiency(self) -> float:
+        """e_flops of this model's GEMMs: the fp8 one with fp8 weights."""
+        return self.eff.fp8 if self.quantization == "fp8" else self.eff.flops
+
+    def attention_pairs(self, comp):
+        """The query-key pairs the attention kernel computes (module docstring)."""
+        if not self.tile:
+            return comp.attention_pairs
+        return comp.decode_pairs + self.tile**2 * (comp.attention_tiles
+                                                   + TILE_OVERHEAD * comp.query_tiles)
+
+    def work(self, comp) -> dict:
         """F_lin, B_lin, F_att, B_kv of one GPU, and the all-reduce bytes each GPU sends."""
         p = self.tp
         return {
             "linear_flops": self.flops_per_token * comp.num_tokens
                             + self.flops_per_logit * comp.num_logits,
             "linear_bytes": self.weight_bytes,
-            "attention_flops": self.flops_per_pair * comp.attention_pairs,
+            "attention_flops": self.flops_per_pair * self.attention_pairs(comp),
             "kv_bytes": self.kv_bytes_per_token * comp.context_tokens,
             "allreduce_bytes": (self.num_allreduces * 2 * (p - 1) / p
                                 * comp.num_tokens * self.allreduce_bytes_per_token),
         }
 
-    def graphed(self, comp: StepComposition) -> bool:
+    def graphed(self, comp):
         """Whether the step replays a CUDA graph: decode / verify rows only (every query
         token needs logits), at most max_graph_batch of them, enforce_eager off."""
-        return (not self.enforce_eager and comp.num_prefill_rows == 0
-                and comp.num_rows <= self.max_graph_batch)
+        if self.enforce_eager:
+            return comp.num_prefill_rows * 0 != 0  # False, or an all-False array
+        return (comp.num_prefill_rows == 0) & (comp.num_rows <= self.max_graph_batch)
 
-    def host_terms(self, comp: StepComposition) -> dict[str, float]:
-        """The launch and cpu terms (module docstring), in seconds."""
+    def host_terms(self, comp) -> dict:
+        """The launch, schedule (with the sample work: "cpu"), output and front-end terms."""
         e = self.eff
         n = comp.num_sampling_rows
-        return {
-            "launch": 0.0 if self.graphed(comp) else self.model.num_layers * e.eager_layer_s,
-            "cpu": (e.step_overhead_s + e.row_overhead_s * comp.num_rows + e.sample_row_s * n
-                    + (e.front_end_row_s * n if self.served else 0.0)),
-        }
+        launch = self.model.num_layers * e.eager_layer_s
+        graphed = self.graphed(comp)
+        launch = (np.where(graphed, 0.0, launch) if isinstance(graphed, np.ndarray)
+                  else (0.0 if graphed else launch))
+        schedule = comp.scheduled * (e.step_overhead_s + e.row_overhead_s * comp.num_rows)
+        output = e.sample_row_s * n
+        return {"launch": launch,
+                "cpu": schedule + (0.0 if self.async_output else output),
+                "output": output if self.async_output else 0.0 * output,
+                "front_end": e.front_end_row_s * n if self.served else 0.0 * n}
 
-    def terms(self, comp: StepComposition) -> dict[str, float]:
-        """Seconds of each term of the step time; their sum is `time(comp)`."""
+    def terms(self, comp) -> dict:
+        """Seconds of each term (module docstring); `time` combines them."""
         w = self.work(comp)
         e, gpu = self.eff, self.gpu
-        compute = self.peak * e.flops
-        memory = gpu.memory_bandwidth * e.bandwidth
-        comm = 0.0
+        memory = gpu.memory_bandwidth
+        comm = 0.0 * comp.num_tokens
         if self.num_allreduces:
             comm = (w["allreduce_bytes"] / gpu.interconnect_bandwidth
                     + self.num_allreduces * gpu.allreduce_latency_s)
         return {
-            "linear": max(w["linear_flops"] / compute, w["linear_bytes"] / memory),
-            "attention": max(w["attention_flops"] / (self.attention_peak * e.attention),
-                             w["kv_bytes"] / (gpu.memory_bandwidth * e.kv)),
+            "linear": _max(w["linear_flops"] / (self.peak * self.gemm_efficiency),
+                           w["linear_bytes"] / (memory * e.bandwidth)),
+            "attention": _max(w["attention_flops"] / (self.attention_peak * e.attention),
+                              w["kv_bytes"] / (memory * e.kv)),
             "allreduce": comm,
+            "kernels": self.num_kernels * e.kernel_gap_s + 0.0 * comp.num_tokens,
             **self.host_terms(comp),
         }
 
-    def features(self, comp: StepComposition) -> tuple[float, dict[str, float]]:
-        """The step time as `constant + sum(coefficient * value)`, linear in the fitted
-        numbers once each roofline's side is chosen (at the current efficiencies):
+    @staticmethod
+    def combine(t: dict):
+        """The step time from its terms: the serial work or a parallel lane if longer."""
+        serial = (t["linear"] + t["attention"] + t["allreduce"] + t["kernels"] + t["launch"]
+                  + t["cpu"])
+        return _max(_max(serial, t["output"]), t["front_end"])
 
-            value of "flops", "bandwidth", "attention", "kv_bandwidth": 1 / efficiency
-            value of "allreduce_latency_s" and of each host term: seconds
+    def time(self, comp):
+        """Seconds of a step (0 for a step without rows); an array for CompositionArrays."""
+        if isinstance(comp, CompositionArrays):
+            return np.where(comp.num_rows > 0, self.combine(self.terms(comp)), 0.0)
+        if comp.num_rows == 0:
+            return 0.0
+        return float(self.combine(self.terms(comp)))
 
-        so that `time(comp) == constant + sum(coef[k] * value[k])` (`fitted_values`). The
+    def delivery_delay(self, comp):
+        """Seconds from a step's outputs being processed to its tokens reaching their
+        clients: the front end's (module docstring)."""
+        return self.host_terms(comp)["front_end"]
+
+    def output_lane(self, comp):
+        """Seconds of a step's asynchronous output processing (0 without async_output)."""
+        return self.host_terms(comp)["output"]
+
+    def step_time(self, out, scheduled: bool = True) -> float:
+        """Seconds the scheduler step `out` takes on this hardware."""
+        return self.time(StepComposition.of(out, scheduled))
+
+    def out_delays(self, out) -> tuple[float, float]:
+        """(delivery_delay, output_lane) of the scheduler step `out`."""
+        if not (self.async_output or self.served):
+            return 0.0, 0.0
+        h = self.host_terms(StepComposition.of(out))
+        return float(h["front_end"]), float(h["output"])
+
+    # ---- the fit's linear form ---------------------------------------------------------
+
+    def fitted_values(self) -> dict[str, float]:
+        """The values `linearize` multiplies (1 / efficiency, or seconds)."""
+        e = self.eff
+        return {"flops": 1 / e.flops, "fp8_flops": 1 / e.fp8, "bandwidth": 1 / e.bandwidth,
+                "attention": 1 / e.attention, "kv_bandwidth": 1 / e.kv,
+                "allreduce_latency_s": self.gpu.allreduce_latency_s,
+                "kernel_gap_s": e.kernel_gap_s,
+                **{k: getattr(e, k) for k in STEP_HOST_TERMS}}
+
+    def linearize(self, comp) -> tuple:
+        """The step time as `constant + sum(coefficient * value)` with the values of
+        `fitted_values`, linear once each roofline's side and the longest lane are chosen
+        (at the current values), so that `time == constant + sum(coef[k] * value[k])`. The
         constant is the all-reduces' bytes over the link."""
         w, e, gpu = self.work(comp), self.eff, self.gpu
         bw = gpu.memory_bandwidth
-        f_lin, b_lin = w["linear_flops"] / self.peak, w["linear_bytes"] / bw
+        zero = 0.0 * comp.num_tokens
+        f_lin, b_lin = w["linear_flops"] / self.peak, w["linear_bytes"] / bw + zero
         f_att, b_kv = w["attention_flops"] / self.attention_peak, w["kv_bytes"] / bw
-        lin_compute = f_lin / e.flops >= b_lin / e.bandwidth
-        att_compute = f_att / e.attention >= b_kv / e.kv
-        coef = dict.fromkeys(("flops", "bandwidth", "attention", "kv_bandwidth"), 0.0)
-        coef["flops" if lin_compute else "bandwidth"] += f_lin if lin_compute else b_lin
-        kv_key = "bandwidth" if e.kv_bandwidth is None else "kv_bandwidth"
-        coef["attention" if att_compute else kv_key] += f_att if att_compute else b_kv
-        n = comp.num_sampling_rows
-        coef.update(allreduce_latency_s=float(self.num_allreduces), step_overhead_s=1.0,
-                    row_overhead_s=float(comp.num_rows), sample_row_s=float(n),
-                    front_end_row_s=float(n) if self.served else 0.0,
-                    eager_layer_s=0.0 if self.graphed(comp) else float(self.model.num_layers))
+        lin_c = f_lin / self.gemm_efficiency >= b_lin / e.bandwidth
+        att_c = f_att / e.attention >= b_kv / e.kv
+        pick = np.where if isinstance(zero, np.ndarray) else (lambda c, a, b: a if c else b)
+        n, rows = comp.num_sampling_rows + zero, comp.num_rows + zero
+        sched = comp.scheduled + zero
+        graphed = self.graphed(comp)
+        gemm = pick(lin_c, f_lin, zero)
+        serial = {"flops": zero if self.quantization == "fp8" else gemm,
+                  "fp8_flops": gemm if self.quantization == "fp8" else zero,
+                  "bandwidth": pick(lin_c, zero, b_lin),
+                  "attention": pick(att_c, f_att, zero), "kv_bandwidth": pick(att_c, zero, b_kv),
+                  "allreduce_latency_s": self.num_allreduces + zero,
+                  "kernel_gap_s": self.num_kernels + zero,
+                  "step_overhead_s": sched, "row_overhead_s": sched * rows,
+                  "sample_row_s": zero if self.async_output else n, "front_end_row_s": zero,
+                  "eager_layer_s": pick(graphed, zero, self.model.num_layers + zero)}
         constant = (w["allreduce_bytes"] / gpu.interconnect_bandwidth if self.num_allreduces
-                    else 0.0)
-        return constant, coef
-
-    def fitted_values(self) -> dict[str, float]:
-        """The values `features` multiplies (1 / efficiency, or seconds)."""
-        e = self.eff
-        return {"flops": 1 / e.flops, "bandwidth": 1 / e.bandwidth,
-                "attention": 1 / e.attention, "kv_bandwidth": 1 / e.kv,
-                "allreduce_latency_s": self.gpu.allreduce_latency_s,
-                **{k: getattr(e, k) for k in ("step_overhead_s", "row_overhead_s",
-                                              "sample_row_s", "front_end_row_s",
-                                              "eager_layer_s")}}
-
-    def time(self, comp: StepComposition) -> float:
-        if comp.num_rows == 0:
-            return 0.0
-        return sum(self.terms(comp).values())
-
-    def step_time(self, out: SchedulerOutput) -> float:
-        """Seconds the scheduler step `out` takes on this hardware."""
-        return self.time(StepComposition.of(out))
+                    else zero)
+        t = self.terms(comp)
+        serial_time = t["linear"] + t["attention"] + t["allreduce"] + t["kernels"] + \
+            t["launch"] + t["cpu"]
+        lane_output = self.async_output & (t["output"] > serial_time) & (
+            t["output"] >= t["front_end"])
+        lane_front = (t["front_end"] > serial_time) & (t["front_end"] > t["output"])
+        lane = lane_output | lane_front
+        coef = {}
+        for name, value in serial.items():
+            lane_value = zero
+            if name == "sample_row_s":
+                lane_value = pick(lane_output, n, zero)
+            elif name == "front_end_row_s":
+                lane_value = pick(lane_front, n if self.served else zero, zero)
+            coef[name] = pick(lane, lane_value, value)
+        return pick(lane, zero, constant), coef
 
     def with_efficiencies(self, eff: Efficiencies, gpu: GpuProfile | None = None
                           ) -> CostModel:
@@ -287,7 +352,8 @@ class CostModel:
                          quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                          enforce_eager=self.enforce_eager, served=self.served,
                          max_graph_batch=self.max_graph_batch,
-                         kv_read_per_query_head=self.kv_read_per_query_head)
+                         kv_read_per_query_head=self.kv_read_per_query_head,
+                         async_output=self.async_output)
 
     def describe(self) -> str:
         e = self.eff
@@ -296,11 +362,15 @@ class CostModel:
                              f", KV cache {self.kv_cache_dtype}"
                              if self.kv_cache_dtype != "auto" else ""])
         return (f"cost model: {self.tp} x {self.gpu.name}, {self.dtype}{precision}; GEMM "
-                f"{e.flops:.0%} of {self.peak / 1e12:.3g} TFLOP/s, bandwidth {e.bandwidth:.0%}"
+                f"{self.gemm_efficiency:.0%} of {self.peak / 1e12:.3g} TFLOP/s, bandwidth "
+                f"{e.bandwidth:.0%}"
                 f"{kv} of {self.gpu.memory_bandwidth / 1e9:.0f} GB/s, attention "
-                f"{e.attention:.0%}, all-reduce {self.gpu.allreduce_latency_s * 1e6:.1f} us; "
+                f"{e.attention:.0%}" + (f" (tiles of {self.tile})" if self.tile else "")
+                + f", all-reduce {self.gpu.allreduce_latency_s * 1e6:.1f} us, "
+                f"{e.kernel_gap_s * 1e6:.2f} us per kernel; "
                 f"host {e.step_overhead_s * 1e3:.2f} ms/step + {e.row_overhead_s * 1e6:.1f} "
                 f"us/row + {e.sample_row_s * 1e6:.1f} us/sampled row"
+                + (" (async)" if self.async_output else "")
                 + (f" + {e.front_end_row_s * 1e6:.1f} us/streamed token" if self.served
                    else "")
                 + (", eager (no CUDA graphs)" if self.enforce_eager else

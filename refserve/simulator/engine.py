@@ -44,8 +44,10 @@ from refserve.sampling_params import SamplingParams
 from refserve.scheduler.factory import make_scheduler
 from refserve.sequence import Sequence
 from refserve.simulator.cost_model import CostModel, Efficiencies
+from refserve.simulator.delivery import DeliverySteps
 from refserve.simulator.engine_overheads import DEFAULT_ENGINE, EngineOverheads, load_engine
 from refserve.simulator.hardware import GpuProfile, ModelShape
+from refserve.simulator.multi_step import MultiStepRounds
 from refserve.simulator.outputs import SimulatedSpeculation, SyntheticOutputs, draft_model_shape
 from refserve.simulator.workload import SimRequest
 from refserve.spec_decode.registry import resolve as resolve_proposer
@@ -127,6 +129,7 @@ class SimResult:
     wall_seconds: float = 0.0
     stopped_early: bool = False
     itl: array = field(default_factory=lambda: array("d"))
+    delivery: DeliverySteps = field(default_factory=lambda: DeliverySteps())
 
     @property
     def steps_per_second(self) -> float:
@@ -140,7 +143,7 @@ class SimulatedEngine:
                  spec_seed: int = 0, quantization: str | None = None,
                  kv_cache_dtype: str = "auto",
                  engine: EngineOverheads | str | None = DEFAULT_ENGINE,
-                 served: bool = False, **kwargs) -> None:
+                 served: bool = False, num_scheduler_steps: int = 1, **kwargs) -> None:
         """`config`: the real engine's EngineConfig (vLLM's knob names); or its fields as
         keywords. `cost_model`: anything with `step_time(out) -> seconds` (default: the
         roofline CostModel of this model on tensor_parallel_size x gpu, with `engine`'s
@@ -150,7 +153,8 @@ class SimulatedEngine:
         `kv_cache_dtype`: vLLM's --quantization fp8 and --kv-cache-dtype fp8 (weights,
         KV cache in one byte: the pool and the cost model both see them). With a
         speculative_config, `spec_alpha` is the acceptance rate of requests that do not
-        set their own (SimRequest.spec_alpha) and `spec_seed` seeds the accept draws."""
+        set their own (SimRequest.spec_alpha) and `spec_seed` seeds the accept draws.
+        `num_scheduler_steps`: vLLM V0's multi-step scheduling (multi_step.py)."""
         config = config or EngineConfig(**kwargs)
         # The budget defaults of the backend the profile stands for (config.py): a GPU runs
         # the CuPy backend's, "this machine" the tuned CPU backend's.
@@ -169,6 +173,11 @@ class SimulatedEngine:
             proposer_cls, spec = resolve_proposer(spec, config)
             self.config = config = dataclasses.replace(config, speculative_config=spec)
             runs_a_model = proposer_cls.runs_a_model
+        self.num_scheduler_steps = MultiStepRounds(num_scheduler_steps).num_scheduler_steps
+        if num_scheduler_steps > 1 and spec is not None:
+            raise ValueError("num_scheduler_steps > 1 with a speculative_config: vLLM's "
+                             "multi-step scheduling does not run speculative decoding; "
+                             "choose one")
         if config.preemption_mode == "swap":
             raise ValueError("preemption_mode='swap': the simulator prices no host <-> "
                              "device copies, so it runs recompute preemption only; "
@@ -202,7 +211,8 @@ class SimulatedEngine:
             model, gpu, self.dtype, tensor_parallel_size, Efficiencies.of(gpu, engine),
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             enforce_eager=config.enforce_eager, served=served,
-            kv_read_per_query_head=engine is not None and engine.kv_read_per_query_head)
+            kv_read_per_query_head=engine is not None and engine.kv_read_per_query_head,
+            async_output=engine is not None and engine.async_output)
         if spec is not None:
             outputs = SimulatedSpeculation(spec, self.cost_model, self.max_model_len,
                                            config.max_num_batched_tokens, spec_alpha,
@@ -260,17 +270,50 @@ class SimulatedEngine:
                           finish methods)
         on_step(engine, t_start, t_end, out, retired)   called after every step
         check_invariants  kv_cache_manager.check_invariants() after every step (tests)
+
+        A step's tokens reach their client when its multi-step round ends (every step,
+        without multi-step) and its outputs are processed (with the cost model's
+        async_output, when the next step ends), plus the cost model's `delivery_delay` (an
+        HTTP front end): TTFT, TPOT and the inter-token latencies are the client's.
         """
         requests = sorted(requests, key=lambda r: r.arrival_time)
         delay = self.front_end_request_s
         self.check_requests(requests)
         sched, kv = self.scheduler, self.kv_cache_manager
-        step_time, outputs = self.cost_model.step_time, self.outputs
+        outputs, cost_model = self.outputs, self.cost_model
+        out_delays = getattr(cost_model, "out_delays", lambda out: (0.0, 0.0))
+        held = getattr(cost_model, "async_output", False)  # deliver when the next step ends
+        rounds = MultiStepRounds(self.num_scheduler_steps)
         # Live while it runs: on_step may read every request's metrics so far.
         metrics = self.metrics = {}
         request_of: dict[int, SimRequest] = {}   # seq_id -> its request
         passes: dict[int, int] = {}
-        last_token: dict[int, float] = {}        # seq_id -> when it last got tokens
+        last_token: dict[int, float] = {}        # seq_id -> when its client last got tokens
+        pending: dict[int, RequestMetrics] = {}  # seq_id -> metrics: tokens not delivered yet
+        finishing: list[Sequence] = []           # retired, finished when delivered
+        deferred = None  # (pending, finishing, sampling step, its out) held for the next step
+
+        def deliver(batch_pending, batch_finishing, t_client, at, sampled_at):
+            for seq_id, m in batch_pending.items():
+                rid = request_of[seq_id].request_id
+                if m.first_token_time is None:
+                    m.first_token_time = t_client
+                else:
+                    itl.append(t_client - last_token[seq_id])
+                steps.deliver(rid, at, sampled_at)
+                last_token[seq_id] = t_client
+            for seq in batch_finishing:
+                last_token.pop(seq.seq_id, None)
+                self._finish(metrics[seq.request_id], seq, passes[seq.seq_id], t_client)
+                if recorder is not None:
+                    recorder.finish(seq.request_id, t_client)
+
+        def flush(now):
+            """Deliver held outputs when no step follows: after their output lane."""
+            front, lane = out_delays(deferred[3])
+            steps.lane.add(deferred[2])
+            deliver(deferred[0], deferred[1], now + lane + front, deferred[2], deferred[2])
+        steps = DeliverySteps()
         itl = array("d")
         timeline = {"t": [], "t_end": [], "scheduled": [], "sampled": [], "waiting": [],
                     "kv_blocks_used": []}
@@ -278,7 +321,7 @@ class SimulatedEngine:
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(requests), unit="req", desc="simulating", mininterval=0.5)
-        peak, i, n, stopped = 0, 0, len(requests), False
+        peak, i, n, stopped, k = 0, 0, len(requests), False, -1
         wall0 = time.perf_counter()
         now = self.clock = requests[0].arrival_time + delay if requests else 0.0
         while True:
@@ -296,16 +339,22 @@ class SimulatedEngine:
                     recorder.arrive(r.request_id, r.arrival_time)
                 i += 1
             if not sched.has_unfinished():
+                if deferred is not None:
+                    flush(now)
+                    deferred = None
                 if i == n:
                     break
                 now = requests[i].arrival_time + delay  # idle until the next arrival
                 continue
             proposals, draft_seconds = outputs.propose(sched.running, request_of)
-            out = sched.schedule(proposals)  # raises if it could schedule nothing
+            out, scheduled = rounds.schedule(sched, proposals)  # raises if nothing to do
             used = kv.num_held_blocks  # fullest now: nothing retired yet
             peak = max(peak, used)
             t_start = now
-            now = self.clock = now + draft_seconds + step_time(out)
+            seconds = (cost_model.step_time(out) if scheduled
+                       else cost_model.step_time(out, scheduled=False))
+            now = self.clock = now + draft_seconds + seconds
+            k += 1
             sampled = {}
             for row in out.scheduled:
                 if row.num_logits:
@@ -318,25 +367,27 @@ class SimulatedEngine:
                 seq = row.seq
                 if seq.seq_id in sampled:
                     passes[seq.seq_id] += 1
-                    m = metrics[seq.request_id]
-                    if m.first_token_time is None:
-                        m.first_token_time = now
-                    else:
-                        itl.append(now - last_token[seq.seq_id])
-                    last_token[seq.seq_id] = now
+                    m = pending[seq.seq_id] = metrics[seq.request_id]
                     verified = update.verified.get(seq.seq_id)
                     if verified is not None:  # output_processor.make_outputs's counts
                         m.num_spec_verify_steps += 1
                         m.num_spec_proposed += verified[0]
                         m.num_spec_accepted += verified[1]
+            finishing.extend(retired)
             if recorder is not None:
                 recorder.step(t_start, now, out, kv_blocks_used=used,
                               kv_blocks_total=kv.num_blocks, num_waiting=sched.num_waiting)
-            for seq in retired:
-                last_token.pop(seq.seq_id, None)
-                self._finish(metrics[seq.request_id], seq, passes[seq.seq_id], now)
-                if recorder is not None:
-                    recorder.finish(seq.request_id, now)
+            if deferred is not None:  # processed while this step ran
+                deliver(deferred[0], deferred[1], now + out_delays(deferred[3])[0], k,
+                        deferred[2])
+                deferred = None
+            if rounds.round_ends(sched):
+                if held:
+                    deferred = (dict(pending), list(finishing), k, out)
+                else:
+                    deliver(pending, finishing, now + out_delays(out)[0], k, k)
+                pending.clear()
+                finishing.clear()
             timeline["t"].append(t_start)
             timeline["t_end"].append(now)
             timeline["scheduled"].append(len(out.scheduled))
@@ -350,6 +401,8 @@ class SimulatedEngine:
             if on_step is not None and on_step(self, t_start, now, out, retired):
                 stopped = True
                 break
+        if deferred is not None:  # stopped early
+            flush(now)
         if bar is not None:
             bar.close()
         wall = time.perf_counter() - wall0
@@ -362,7 +415,8 @@ class SimulatedEngine:
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens})
         if self.config.speculative_config is not None:
             summary.speculative_method = self.config.speculative_config.method
-        return SimResult(metrics, summary, timeline, sched.num_steps, wall, stopped, itl)
+        return SimResult(metrics, summary, timeline, sched.num_steps, wall, stopped, itl,
+                         steps)
 
     @staticmethod
     def _finish(m: RequestMetrics, seq: Sequence, num_passes: int, now: float) -> None:

@@ -18,10 +18,12 @@ engine (and version family), each constant with what it was fitted on:
     eager_layer_s     seconds per layer         launching a layer's kernels one by one (a
                                                 step without a CUDA graph)
 
-and one property of its attention kernel, `kv_read_per_query_head`: an engine without a
+and two properties: `kv_read_per_query_head`, of its attention kernel: an engine without a
 grouped-query decode kernel reads each KV head once for every query head that shares it
 (TensorRT-LLM before its Hopper XQA kernels for Llama 2 70B, release 0.10.0), which
-multiplies B_kv by num_heads / num_kv_heads.
+multiplies B_kv by num_heads / num_kv_heads; and `async_output`: the engine processes a
+step's outputs while the next step runs (vLLM 0.6's asynchronous output processing), so
+sample_row_s is a lane beside the GPU's work instead of a term after it (cost_model.py).
 
 `CostModel` adds them as its `launch` and `cpu` terms (cost_model.py).
 """
@@ -49,6 +51,8 @@ class EngineOverheads:
     # The decode attention reads each KV head once per query head of its group (no
     # grouped-query reuse): KV bytes x num_heads / num_kv_heads.
     kv_read_per_query_head: bool = False
+    # The outputs of step n are processed while step n + 1 runs.
+    async_output: bool = False
     source: dict[str, str] = field(default_factory=dict)
 
     def apply(self, eff):
@@ -68,6 +72,7 @@ class EngineOverheads:
 STEP_TERMS = ("step_overhead_s", "row_overhead_s", "sample_row_s", "front_end_row_s",
               "eager_layer_s")
 HOST_TERMS = (*STEP_TERMS, "front_end_request_s")
+FLAGS = ("kv_read_per_query_head", "async_output")
 
 
 def engine_names() -> list[str]:
@@ -89,13 +94,13 @@ def load_engine(key: str = DEFAULT_ENGINE) -> EngineOverheads:
         value = table.get(name, 0.0 if name == "front_end_request_s" else None)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"engine {key!r}: {name}={value!r} must be a number >= 0")
-    per_head = table.get("kv_read_per_query_head", False)
-    if not isinstance(per_head, bool):
-        raise ValueError(f"engine {key!r}: kv_read_per_query_head must be true or false")
-    unknown = set(table) - set(HOST_TERMS) - {"name", "source", "kv_read_per_query_head"}
+    flags = {name: table.get(name, False) for name in FLAGS}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"engine {key!r}: {name} must be true or false")
+    unknown = set(table) - set(HOST_TERMS) - {"name", "source", *FLAGS}
     if unknown:
         raise ValueError(f"engine {key!r}: unknown field(s) {', '.join(sorted(unknown))}")
     return EngineOverheads(key=key, name=table.get("name", key),
                            **{name: float(table.get(name, 0.0)) for name in HOST_TERMS},
-                           kv_read_per_query_head=per_head,
-                           source=dict(table.get("source", {})))
+                           **flags, source=dict(table.get("source", {})))

@@ -55,6 +55,14 @@ class GpuProfile:
     # e_kv: the fraction of the bandwidth the paged KV gather reaches, when it differs from
     # the weight read's (0: the same as bandwidth_efficiency)
     kv_bandwidth_efficiency: float = 0.0
+    # the fraction of the fp8 peak the fp8 GEMMs (--quantization fp8) reach, when it
+    # differs from flops_efficiency (0: the same)
+    fp8_flops_efficiency: float = 0.0
+    # The GPU's fixed seconds per kernel (cost_model.py's "kernels" term; 0: not priced)
+    kernel_gap_s: float = 0.0
+    # Queries and keys per tile of the attention kernel (0: exact query-key pairs, as the
+    # NumPy engine computes them; a GPU profile prices FlashAttention's tiles)
+    attention_tile: int = 0
     source: dict[str, str] = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
@@ -148,10 +156,12 @@ def _profile(key: str, table: dict, origin: str) -> GpuProfile:
     for name in ("memory_bytes", "memory_bandwidth"):
         if not values[name] > 0:
             raise ValueError(f"GPU profile {key!r}: {name} must be > 0")
-    kv = values.get("kv_bandwidth_efficiency", 0.0)
-    if not 0 <= kv <= 1:
-        raise ValueError(f"GPU profile {key!r}: kv_bandwidth_efficiency={kv!r} must be in "
-                         "[0, 1] (0: the same as bandwidth_efficiency)")
+    for name, same in (("kv_bandwidth_efficiency", "bandwidth_efficiency"),
+                       ("fp8_flops_efficiency", "flops_efficiency")):
+        value = values.get(name, 0.0)
+        if not 0 <= value <= 1:
+            raise ValueError(f"GPU profile {key!r}: {name}={value!r} must be in [0, 1] (0: "
+                             f"the same as {same})")
     for name in ("flops_efficiency", "bandwidth_efficiency", "attention_efficiency"):
         if not 0 < values[name] <= 1:
             raise ValueError(f"GPU profile {key!r}: {name}={values[name]!r} must be in (0, 1]")
@@ -200,7 +210,8 @@ def apply_overrides(profile: GpuProfile, overrides: dict[str, float] | None) -> 
             values[name] = value
             values["source"][name] = "given by the user"
             if name in ("flops_efficiency", "bandwidth_efficiency", "attention_efficiency",
-                        "kv_bandwidth_efficiency", "step_overhead_s", "row_overhead_s"):
+                        "kv_bandwidth_efficiency", "fp8_flops_efficiency", "kernel_gap_s",
+                        "step_overhead_s", "row_overhead_s"):
                 values["source"]["efficiencies"] = "given by the user"
         else:
             raise ValueError(f"cannot override {name!r}: fields are {', '.join(_NUMBERS)} "

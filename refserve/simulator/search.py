@@ -149,6 +149,7 @@ class Planner:
     on_simulation: object = None  # called with (candidate, Evaluation) after each one
     engine_overheads: object = "vllm"  # an engines.toml entry or key; None: the GPU's own
     served: bool = False             # price an HTTP front end per streamed token
+    num_scheduler_steps: int = 1     # vLLM V0's multi-step scheduling (multi_step.py)
     simulations: int = 0
     evaluations: dict = field(default_factory=dict)
 
@@ -157,7 +158,8 @@ class Planner:
                                tensor_parallel_size=cand.tensor_parallel_size,
                                quantization=cand.quantization,
                                kv_cache_dtype=cand.kv_cache_dtype,
-                               engine=self.engine_overheads, served=self.served)
+                               engine=self.engine_overheads, served=self.served,
+                               num_scheduler_steps=self.num_scheduler_steps)
 
     def evaluate(self, cand: Candidate, rate: float, seed: int | None = None) -> Evaluation:
         """Simulate `cand` at `rate` on the workload of `seed`; the percentiles are those of

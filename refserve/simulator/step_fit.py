@@ -4,12 +4,13 @@ tests/test_simulator_fidelity.py). The formulas being fitted are cost_model.py's
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
-from refserve.simulator.cost_model import CostModel, Efficiencies, StepComposition
+from refserve.simulator.cost_model import CostModel, StepComposition
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,12 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50,
         theta = _nonnegative_lstsq(x / t[:, None], (t - comm) / t, theta)
         if not separate_kv:
             theta[5] = theta[2]
-    fitted = Efficiencies(flops=1 / theta[0], attention=1 / theta[1], bandwidth=1 / theta[2],
-                          step_overhead_s=float(theta[3]), row_overhead_s=float(theta[4]),
-                          kv_bandwidth=float(1 / theta[5]) if separate_kv else None)
+    # The terms this fit leaves as they are (sampling, launches, kernel gaps) keep their
+    # values: they are in `comm` above.
+    fitted = dataclasses.replace(
+        e, flops=1 / theta[0], attention=1 / theta[1], bandwidth=1 / theta[2],
+        step_overhead_s=float(theta[3]), row_overhead_s=float(theta[4]),
+        kv_bandwidth=float(1 / theta[5]) if separate_kv else None)
     model = cost_model.with_efficiencies(fitted)
     predicted = np.array([model.time(c) for c, _ in samples])
     rel = (predicted - t) / t
@@ -95,8 +99,8 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50,
 
 def _unfitted_seconds(cost_model: CostModel, comp: StepComposition) -> float:
     terms, e = cost_model.terms(comp), cost_model.eff
-    return (terms["allreduce"] + terms["launch"] + terms["cpu"] - e.step_overhead_s
-            - e.row_overhead_s * comp.num_rows)
+    return (terms["allreduce"] + terms["kernels"] + terms["launch"] + terms["cpu"]
+            - e.step_overhead_s - e.row_overhead_s * comp.num_rows)
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, prior: np.ndarray,
