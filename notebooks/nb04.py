@@ -240,7 +240,9 @@ run_story("prefix", progress=False)
     ("md", r"""
 **The chunked-prefill rescue.** Long documents at 5 per second under three schedules:
 prefill-first (decodes wait while prompts are prefilled), mixed (whole prompts beside the
-decodes, budget 8192) and chunked (a 512-token budget caps what a prompt adds to a step).
+decodes, budget 8192) and chunked (a 2048- or 512-token budget caps what a prompt adds to a
+step; too small a budget pays the engine's host cost in too many steps, and the prompts
+queue).
 """),
     ("code", r"""
 run_story("chunked", progress=False)
@@ -248,7 +250,7 @@ run_story("chunked", progress=False)
     ("md", r"""
 **"Speculative decoding made it worse".** k = 4 at α = 0.3 and 0.8 (α: the per-token
 acceptance probability the simulator draws with), a self-draft (the target's first 16
-layers: about 0.6 of a decode step per draft) against free n-gram drafts, the adaptive rule
+layers: about 0.22 of a decode step per draft, which pays no scheduler call of its own) against free n-gram drafts, the adaptive rule
 off. Tokens per verify step follow (1 − α^(k+1)) / (1 − α); what they buy depends on what a
 draft costs. The `accepted/proposed` column is the draft acceptance rate the engine counts,
 lower than α. (The same story on the embedded model, with real drafts and wall-clock

@@ -330,7 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args) -> int:
+def prepare(args):
+    """Everything a run needs from the parsed flags, each checked before it starts: the
+    workload's defaults filled in, the model, the GPU, the simulated engine and its requests.
+    Returns (model, gpu, config, engine, requests); a mistake is a CLIError."""
     args.num_requests_given = args.num_requests is not None
     if args.rate is None and args.replay is None:
         args.rate = DEFAULT_RATE
@@ -339,7 +342,6 @@ def run(args) -> int:
         args.num_requests = 1000
     if args.num_requests < 1:
         raise CLIError(f"--num-requests {args.num_requests}: must be >= 1")
-    check_out_paths(args)
     model, gpu = load_hardware(args)
     config = engine_config(args)
     engine = build_engine(model, gpu, config, args.tensor_parallel_size, args.spec_alpha,
@@ -353,6 +355,12 @@ def run(args) -> int:
         engine.check_requests(requests)
     except ValueError as e:
         raise CLIError(str(e)) from None
+    return model, gpu, config, engine, requests
+
+
+def run(args) -> int:
+    check_out_paths(args)
+    model, gpu, config, engine, requests = prepare(args)
     from refserve.simulator.trace import TraceRecorder
 
     print(f"model: {model.name} ({model.total_params / 1e9:.2f}B params, {engine.dtype})")

@@ -6,10 +6,19 @@ workload the simulator accepts, every request's
     TTFT >= max(2 P' params / (p * peak), weight bytes / (p * bandwidth))
             P' = its prompt tokens not found in the prefix cache: their GEMMs at 100% of
             the peak, or one read of the weights at 100% of the bandwidth
-    TPOT >= weight bytes / (p * bandwidth)
-            every decode step reads every weight at least once
+    finish - arrival >= that TTFT floor + (n - 1) * weight bytes / (p * bandwidth)
+            the last of n output tokens cannot reach its client before every decode
+            step that computed them has read every weight once
+    TPOT >= weight bytes / (p * bandwidth), where each token reaches its client at the
+            end of its own step
 
-(speculative decoding is left out: a verify step emits several tokens per weight read).
+The TPOT floor holds only where the engine delivers each step's tokens as that step ends.
+An engine that holds a step's tokens back (vLLM 0.6's asynchronous output processing hands
+step n's tokens over when step n + 1 ends; a multi-step round hands its tokens over
+together) can deliver the first token late and the last one early, so the gaps a client
+measures may be shorter than a step: that is the engine's real behaviour, and the
+end-to-end bound above still holds. Speculative decoding is left out: a verify step emits
+several tokens per weight read.
 A cost model that lets an efficiency exceed 1, a negative overhead, or a schedule that
 delivers a token before the step that computed it, fails here.
 """
@@ -24,7 +33,7 @@ from hypothesis import strategies as st
 from refserve.capacity import weight_dtype_bytes
 from refserve.config import EngineConfig
 from refserve.simulator.engine import SimulatedEngine
-from refserve.simulator.engine_overheads import engine_names
+from refserve.simulator.engine_overheads import engine_names, load_engine
 from refserve.simulator.hardware import load_gpu, load_model
 from refserve.simulator.workload import make_workload
 
@@ -62,7 +71,7 @@ def configurations(draw):
     }
 
 
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=100, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(configurations())
 def test_no_ttft_or_tpot_below_the_compute_or_bandwidth_floor(c):
@@ -87,9 +96,14 @@ def test_no_ttft_or_tpot_below_the_compute_or_bandwidth_floor(c):
     weights = weight_dtype_bytes(dtype, c["quantization"]) * (
         model.layer_params + model.lm_head_params) / p
     read = weights / gpu.memory_bandwidth
+    per_step_delivery = (not load_engine(c["engine"]).async_output
+                         and c["num_scheduler_steps"] == 1)
     for m in result.metrics.values():
         computed = m.num_prompt_tokens - m.num_cached_tokens
         floor = max(2 * computed * model.layer_params / p / peak, read)
         assert m.ttft >= floor * (1 - 1e-9), (m, floor)
-        if m.tpot is not None:
+        n = m.num_output_tokens
+        assert m.finish_time - m.arrival_time >= (floor + (n - 1) * read) * (1 - 1e-9), (
+            m, floor, read)
+        if m.tpot is not None and per_step_delivery:
             assert m.tpot >= read * (1 - 1e-9), (m, read)

@@ -29,7 +29,8 @@ n + 1 logits rows). The drafts themselves cost nothing for "ngram" (prompt looku
 model); a "draft_model" runs n passes of the draft over the proposing rows before the step:
 
     draft seconds = sum_{i=1..n_max} draft_cost.time(one decode row per sequence still
-                                                     drafting at position i)
+                                                     drafting at position i, no scheduler
+                                                     call: the passes run inside the step)
 
 with the draft's own cost model: "self" is the target's first num_draft_layers layers (and
 its lm_head), any other `model` a capacity preset or HF config.json (refserve.simulator
@@ -138,8 +139,10 @@ class SimulatedSpeculation(SyntheticOutputs):
             self.draft_model = draft_model_shape(spec, cost_model.model)
             self.draft_cost = CostModel(self.draft_model, cost_model.gpu, cost_model.dtype,
                                         cost_model.tp, cost_model.eff)
+            # A draft pass runs inside the target's step: no scheduler call of its own.
             one = StepComposition.from_rows([(1, PASS_COST_CONTEXT, 1)])
-            draft_cost_per_token = self.draft_cost.time(one) / cost_model.time(one)
+            draft_pass = StepComposition.from_rows([(1, PASS_COST_CONTEXT, 1)], scheduled=False)
+            draft_cost_per_token = self.draft_cost.time(draft_pass) / cost_model.time(one)
         rows = [r for r in CALIBRATION_ROWS if r <= max_num_batched_tokens]
         pass_cost = PassCost(tuple(rows), tuple(
             cost_model.time(StepComposition.from_rows([(1, PASS_COST_CONTEXT, 1)] * r))
@@ -174,5 +177,5 @@ class SimulatedSpeculation(SyntheticOutputs):
         seconds = 0.0
         for i in range(max(n for _, n in lengths)):  # draft pass i: one row per drafter
             rows = [(1, ctx + i, 1) for ctx, n in lengths if n > i]
-            seconds += self.draft_cost.time(StepComposition.from_rows(rows))
+            seconds += self.draft_cost.time(StepComposition.from_rows(rows, scheduled=False))
         return seconds
