@@ -121,6 +121,21 @@ def random_lengths(rng: np.random.Generator, n: int, input_len: int, output_len:
 RANDOM_FLAGS = {"input_len": 1024, "output_len": 128, "range_ratio": 0.0}
 
 
+def add_random_arguments(group) -> None:
+    """vLLM's random-dataset flags on an argparse parser or group. Each defaults to None, so
+    that a flag given implies the random workload (`resolve_workload`); RANDOM_FLAGS holds
+    the values they take when not given."""
+    group.add_argument("--input-len", "--random-input-len", type=int, default=None,
+                       help="random workload: prompt tokens per request (default "
+                       f"{RANDOM_FLAGS['input_len']})")
+    group.add_argument("--output-len", "--random-output-len", type=int, default=None,
+                       help="random workload: output tokens per request (default "
+                       f"{RANDOM_FLAGS['output_len']})")
+    group.add_argument("--range-ratio", "--random-range-ratio", type=float, default=None,
+                       help="random workload: lengths uniform in [len (1 - r), len (1 + r)] "
+                       f"(default {RANDOM_FLAGS['range_ratio']:g})")
+
+
 def resolve_workload(chosen: str | None, default: str, given: dict,
                      flags_of: dict[str, tuple[str, ...]]) -> str:
     """The workload a command line asks for; no flag is silently ignored.

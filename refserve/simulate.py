@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from refserve.bench.common import print_table
-from refserve.benchmark_datasets import RANDOM_FLAGS, resolve_workload
+from refserve.benchmark_datasets import RANDOM_FLAGS, add_random_arguments, resolve_workload
 from refserve.capacity import KV_CACHE_DTYPES, QUANTIZATIONS
 from refserve.config import BATCHING, DTYPES, KV_CACHE_LAYOUTS, EngineConfig
 from refserve.entrypoints.cli_common import (
@@ -84,13 +84,7 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
                    "(any of them implies random, as in vLLM's throughput benchmark); "
                    "sharegpt: the built-in ShareGPT-like lengths; dataset: --dataset-path "
                    "(refserve/benchmark_datasets.py)")
-    w.add_argument("--input-len", "--random-input-len", type=int, default=None,
-                   help="random workload: prompt tokens per request (default 1024)")
-    w.add_argument("--output-len", "--random-output-len", type=int, default=None,
-                   help="random workload: output tokens per request (default 128)")
-    w.add_argument("--range-ratio", "--random-range-ratio", type=float, default=None,
-                   help="random workload: lengths uniform in [len (1 - r), len (1 + r)] "
-                   "(default 0)")
+    add_random_arguments(w)
     w.add_argument("--dataset-path", type=Path, default=None, metavar="JSON",
                    help="lengths from a ShareGPT-format JSON or a vLLM benchmark result "
                    "JSON on disk (implies --workload dataset)")

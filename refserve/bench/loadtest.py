@@ -53,12 +53,7 @@ def add_arguments(p) -> None:
                    "sharegpt: vLLM's benchmark lengths, as token-id prompts (--input-len, "
                    "--output-len or --range-ratio imply random, --dataset-path a file's "
                    "lengths)")
-    p.add_argument("--input-len", "--random-input-len", type=int, default=None,
-                   help="random: prompt tokens (default 1024)")
-    p.add_argument("--output-len", "--random-output-len", type=int, default=None,
-                   help="random: output tokens (default 128)")
-    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=None,
-                   help="random: lengths uniform in [len (1 - r), len (1 + r)] (default 0)")
+    datasets.add_random_arguments(p)
     p.add_argument("--dataset-path", type=Path, default=None, metavar="JSON",
                    help="lengths from a ShareGPT JSON or a vLLM benchmark result JSON")
     p.add_argument("--mean-output", type=int, default=None,
