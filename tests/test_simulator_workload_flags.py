@@ -4,7 +4,6 @@ imply the random workload, as in vLLM's throughput benchmark."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -12,7 +11,7 @@ import pytest
 
 from refserve import plan, simulate
 from refserve.bench import loadtest
-from refserve.entrypoints.cli_common import CLIError
+from refserve.entrypoints.cli_common import ArgumentParser, CLIError
 from refserve.simulator.hardware import load_model
 
 MODEL = load_model("llama-3-8b")
@@ -120,7 +119,7 @@ def test_tokenizer_counts_a_sharegpt_files_text(tmp_path, smollm2_dir):
 
 
 def loadtest_args(*argv):
-    p = argparse.ArgumentParser()
+    p = ArgumentParser()
     loadtest.add_arguments(p)
     args = p.parse_args(argv)
     args.seed = 0
