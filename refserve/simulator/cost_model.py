@@ -15,7 +15,8 @@ W = num_heads * head_dim and p GPUs of tensor parallelism, one GPU's work is (WA
 
 and the step takes, on the GPU,
 
-    linear     max(F_lin / (peak e_flops), B_lin / (bandwidth e_bw))   compute or weights
+    linear     max(c, w) + (1 - o) min(c, w)                           compute and weights
+               c = F_lin / (peak e_flops), w = B_lin / (bandwidth e_bw),  o = gemm_overlap
     attention  max(F_att / (peak e_attn), B_kv / (bandwidth e_kv))     compute or KV cache
     allreduce  2 L [2 (p - 1) / p * T H b / link + latency]  (p > 1)   two ring all-reduces
                                                                        of the T x H
@@ -23,6 +24,12 @@ and the step takes, on the GPU,
     kernels    L * KERNELS_PER_LAYER * kernel_gap                      each kernel's fixed
                                                                        cost (ramp-up, tail,
                                                                        the gap to the next)
+
+The GEMMs' two times overlap only in part: a GEMM whose compute and weight stream take
+about as long (a short prefill, a decode batch of ~100 rows) takes longer than the larger
+of the two. o = 1 is the roofline's max(); o = 0 loads, then computes. o is a property of
+the GPU's GEMM kernels, measured on published per-kernel profiles (gpus.toml's
+gemm_overlap: 0.41 on an A100, 0.37 on an H100), not fitted here.
 
 and on the host (the engine's terms, engines.toml):
 
@@ -94,6 +101,15 @@ STEP_HOST_TERMS = ("step_overhead_s", "row_overhead_s", "sample_row_s", "front_e
                    "eager_layer_s")
 GPU_TERMS = ("flops", "fp8_flops", "bandwidth", "attention", "kv_bandwidth",
              "allreduce_latency_s", "kernel_gap_s")
+
+
+def overlapped(compute, memory, overlap: float):
+    """max(compute, memory) + (1 - overlap) min(compute, memory): two times of one kernel
+    that overlap by the fraction `overlap` of the shorter (1: the roofline's max)."""
+    if isinstance(compute, np.ndarray) or isinstance(memory, np.ndarray):
+        return (np.maximum(compute, memory)
+                + (1 - overlap) * np.minimum(compute, memory))
+    return max(compute, memory) + (1 - overlap) * min(compute, memory)
 
 
 def _max(a, b):
@@ -244,8 +260,9 @@ class CostModel:
             comm = (w["allreduce_bytes"] / gpu.interconnect_bandwidth
                     + self.num_allreduces * gpu.allreduce_latency_s)
         return {
-            "linear": _max(w["linear_flops"] / (self.peak * self.gemm_efficiency),
-                           w["linear_bytes"] / (memory * e.bandwidth)),
+            "linear": overlapped(w["linear_flops"] / (self.peak * self.gemm_efficiency),
+                                 w["linear_bytes"] / (memory * e.bandwidth),
+                                 gpu.gemm_overlap),
             "attention": _max(w["attention_flops"] / (self.attention_peak * e.attention),
                               w["kv_bytes"] / (memory * e.kv)),
             "allreduce": comm,
@@ -315,10 +332,11 @@ class CostModel:
         n, rows = comp.num_sampling_rows + zero, comp.num_rows + zero
         sched = comp.scheduled + zero
         graphed = self.graphed(comp)
-        gemm = pick(lin_c, f_lin, zero)
+        shorter = 1 - gpu.gemm_overlap  # the shorter side's share (`overlapped`)
+        gemm = pick(lin_c, f_lin, shorter * f_lin)
         serial = {"flops": zero if self.quantization == "fp8" else gemm,
                   "fp8_flops": gemm if self.quantization == "fp8" else zero,
-                  "bandwidth": pick(lin_c, zero, b_lin),
+                  "bandwidth": pick(lin_c, shorter * b_lin, b_lin),
                   "attention": pick(att_c, f_att, zero), "kv_bandwidth": pick(att_c, zero, b_kv),
                   "allreduce_latency_s": self.num_allreduces + zero,
                   "kernel_gap_s": self.num_kernels + zero,
@@ -378,4 +396,4 @@ class CostModel:
                 + f", eager launch {e.eager_layer_s * 1e6:.1f} us/layer")
 
 
-__all__ = ["CostModel", "Efficiencies", "StepComposition"]
+__all__ = ["CostModel", "Efficiencies", "StepComposition", "overlapped"]
