@@ -305,6 +305,28 @@ def test_allreduce_latency_by_hand():
     assert cm.terms(comp)["allreduce"] == pytest.approx(4 * (1e-3 + 8 / 1e4))
 
 
+def test_allreduce_latency_by_collective_library():
+    # NCCL's ring: the fixed part plus 2 (p - 1) hops; a custom one-shot all-reduce: its
+    # own latency at any p. 4 all-reduces of 8 (p = 2) or 2 x 3 / 4 x 8 = 12 bytes (p = 4)
+    # per GPU, at 1e4 B/s.
+    gpu = dataclasses.replace(GPU, allreduce_hop_s=1e-4, custom_allreduce_latency_s=3e-4)
+    comp = StepComposition.from_rows([(1, 10, 1)])
+    for p, ring_bytes in ((2, 8), (4, 12)):
+        nccl = CostModel(TOY, gpu, "bfloat16", p, efficiencies=HOST)
+        custom = CostModel(TOY, gpu, "bfloat16", p, efficiencies=HOST, custom_allreduce=True)
+        assert nccl.allreduce_latency() == pytest.approx(1e-3 + 2 * (p - 1) * 1e-4)
+        assert custom.allreduce_latency() == pytest.approx(3e-4)
+        assert nccl.terms(comp)["allreduce"] == pytest.approx(
+            4 * (1e-3 + 2 * (p - 1) * 1e-4 + ring_bytes / 1e4))
+        assert custom.terms(comp)["allreduce"] == pytest.approx(4 * (3e-4 + ring_bytes / 1e4))
+    # a profile without a custom latency prices a custom all-reduce at NCCL's fixed part
+    plain = CostModel(TOY, GPU, "bfloat16", 4, efficiencies=HOST, custom_allreduce=True)
+    assert plain.allreduce_latency() == pytest.approx(1e-3)
+    # one GPU: no all-reduce at all, whichever the library
+    single = CostModel(TOY, gpu, "bfloat16", 1, efficiencies=HOST, custom_allreduce=True)
+    assert single.terms(comp)["allreduce"] == 0
+
+
 def test_fp8_weights_and_kv_cache_by_hand():
     gpu = dataclasses.replace(GPU, peak_flops={"bfloat16": 1e6, "fp8": 2e6})
     comp = StepComposition.from_rows([(4, 4, 1), (1, 10, 1)])
@@ -343,8 +365,9 @@ def test_linear_form_reproduces_the_step_time():
     for served, async_output, front in ((True, False, 0.004), (True, True, 0.05),
                                         (False, True, 0.0)):
         e = dataclasses.replace(eff, front_end_row_s=front)
-        cm = CostModel(TOY, gpu, "bfloat16", 2, e, quantization="fp8", served=served,
-                       async_output=async_output)
+        cm = CostModel(TOY, dataclasses.replace(gpu, allreduce_hop_s=2e-4), "bfloat16",
+                       2, e, quantization="fp8", served=served, async_output=async_output,
+                       custom_allreduce=async_output and served)
         values = cm.fitted_values()
         for comp in steps:
             constant, coef = cm.linearize(comp)
