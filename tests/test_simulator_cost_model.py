@@ -94,6 +94,24 @@ def test_compute_bound_prefill_by_hand():
         max(4 * 2 * 8 * pairs / 2.5e5, 32 * 50 / 5e4))
 
 
+def test_gemm_overlap_by_hand():
+    # The step of test_terms_by_hand: GEMM compute 0.0208 s, weight read 0.044 s. With a
+    # quarter of the shorter time hidden, the GEMMs take 0.044 + 0.75 * 0.0208.
+    comp = StepComposition.from_rows([(4, 4, 1), (1, 10, 1)])
+    partial = CostModel(TOY, dataclasses.replace(GPU, gemm_overlap=0.25), "bfloat16")
+    assert partial.terms(comp)["linear"] == pytest.approx(0.044 + 0.75 * 0.0208)
+    # and on the compute side of the roofline the weight read is the shorter one
+    prefill = StepComposition.from_rows([(50, 50, 1)])
+    assert partial.terms(prefill)["linear"] == pytest.approx(100200 / 5e5 + 0.75 * 0.044)
+    # overlap 1 is the roofline's max, 0 the sum
+    full = CostModel(TOY, dataclasses.replace(GPU, gemm_overlap=1.0), "bfloat16")
+    assert full.terms(comp)["linear"] == pytest.approx(0.044)
+    none = CostModel(TOY, dataclasses.replace(GPU, gemm_overlap=0.0), "bfloat16")
+    assert none.terms(comp)["linear"] == pytest.approx(0.044 + 0.0208)
+    with pytest.raises(ValueError, match="gemm_overlap"):
+        load_gpu("h100-80gb", overrides={"gemm_overlap": 1.5})
+
+
 def test_tensor_parallel_terms_by_hand():
     model = CostModel(TOY, GPU, "bfloat16", tensor_parallel_size=2)
     comp = StepComposition.from_rows([(3, 3, 1)])
@@ -114,7 +132,7 @@ def test_llama_3_8b_decode_is_the_weight_read_of_warmup_section_8():
     it gathers only T rows.)"""
     model = load_model("llama-3-8b")
     gpu = dataclasses.replace(load_gpu("h100-80gb"), peak_flops={"bfloat16": 1e15},
-                              memory_bandwidth=3e12)
+                              memory_bandwidth=3e12, gemm_overlap=1.0)
     cm = CostModel(model, gpu, "bfloat16", efficiencies=Efficiencies(1, 1, 1, 0, 0))
     weights = 2 * (model.total_params - model.vocab_size * model.hidden_size)
     assert weights == pytest.approx(16.06e9 - 2 * 128256 * 4096, rel=1e-3)
@@ -163,7 +181,9 @@ def test_fit_recovers_known_efficiencies():
 
 
 def test_fit_keeps_the_prior_of_what_the_profile_never_exercises():
-    model, gpu = load_model("llama-3-8b"), load_gpu("h100-80gb")
+    # gemm_overlap 1: the roofline's max, so a memory-bound GEMM's compute costs nothing
+    model = load_model("llama-3-8b")
+    gpu = load_gpu("h100-80gb", overrides={"gemm_overlap": 1.0})
     truth = Efficiencies(0.7, 0.85, 0.5, 4e-4, 2e-6, kernel_gap_s=gpu.kernel_gap_s)
     measured = CostModel(model, gpu, "bfloat16", efficiencies=truth)
     decodes = [StepComposition.from_rows([(1, ctx, 1)] * b)
@@ -285,6 +305,28 @@ def test_allreduce_latency_by_hand():
     assert cm.terms(comp)["allreduce"] == pytest.approx(4 * (1e-3 + 8 / 1e4))
 
 
+def test_allreduce_latency_by_collective_library():
+    # NCCL's ring: the fixed part plus 2 (p - 1) hops; a custom one-shot all-reduce: its
+    # own latency at any p. 4 all-reduces of 8 (p = 2) or 2 x 3 / 4 x 8 = 12 bytes (p = 4)
+    # per GPU, at 1e4 B/s.
+    gpu = dataclasses.replace(GPU, allreduce_hop_s=1e-4, custom_allreduce_latency_s=3e-4)
+    comp = StepComposition.from_rows([(1, 10, 1)])
+    for p, ring_bytes in ((2, 8), (4, 12)):
+        nccl = CostModel(TOY, gpu, "bfloat16", p, efficiencies=HOST)
+        custom = CostModel(TOY, gpu, "bfloat16", p, efficiencies=HOST, custom_allreduce=True)
+        assert nccl.allreduce_latency() == pytest.approx(1e-3 + 2 * (p - 1) * 1e-4)
+        assert custom.allreduce_latency() == pytest.approx(3e-4)
+        assert nccl.terms(comp)["allreduce"] == pytest.approx(
+            4 * (1e-3 + 2 * (p - 1) * 1e-4 + ring_bytes / 1e4))
+        assert custom.terms(comp)["allreduce"] == pytest.approx(4 * (3e-4 + ring_bytes / 1e4))
+    # a profile without a custom latency prices a custom all-reduce at NCCL's fixed part
+    plain = CostModel(TOY, GPU, "bfloat16", 4, efficiencies=HOST, custom_allreduce=True)
+    assert plain.allreduce_latency() == pytest.approx(1e-3)
+    # one GPU: no all-reduce at all, whichever the library
+    single = CostModel(TOY, gpu, "bfloat16", 1, efficiencies=HOST, custom_allreduce=True)
+    assert single.terms(comp)["allreduce"] == 0
+
+
 def test_fp8_weights_and_kv_cache_by_hand():
     gpu = dataclasses.replace(GPU, peak_flops={"bfloat16": 1e6, "fp8": 2e6})
     comp = StepComposition.from_rows([(4, 4, 1), (1, 10, 1)])
@@ -315,7 +357,7 @@ def test_linear_form_reproduces_the_step_time():
     """The fit's linear form (constant + coefficients x values) is the step time, for one
     step and for many at once, whichever lane is the longest."""
     gpu = dataclasses.replace(GPU, peak_flops={"bfloat16": 1e6, "fp8": 2e6},
-                              attention_tile=128)
+                              attention_tile=128, gemm_overlap=0.4)
     eff = dataclasses.replace(HOST, kernel_gap_s=1e-4)
     steps = [StepComposition.from_rows(rows, scheduled)
              for rows, scheduled in (([(1, 10, 1)] * 3, True), ([(4, 4, 1), (3, 8, 0)], True),
@@ -323,8 +365,9 @@ def test_linear_form_reproduces_the_step_time():
     for served, async_output, front in ((True, False, 0.004), (True, True, 0.05),
                                         (False, True, 0.0)):
         e = dataclasses.replace(eff, front_end_row_s=front)
-        cm = CostModel(TOY, gpu, "bfloat16", 2, e, quantization="fp8", served=served,
-                       async_output=async_output)
+        cm = CostModel(TOY, dataclasses.replace(gpu, allreduce_hop_s=2e-4), "bfloat16",
+                       2, e, quantization="fp8", served=served, async_output=async_output,
+                       custom_allreduce=async_output and served)
         values = cm.fitted_values()
         for comp in steps:
             constant, coef = cm.linearize(comp)

@@ -7,7 +7,8 @@ a `prior` (the pre-fit default every fit starts from, and keeps where no row exe
 constant):
 
     GPU (per profile)   flops / bandwidth / kv_bandwidth / attention efficiency (fractions
-                        of the datasheet peaks), allreduce_latency_s, kernel_gap_s
+                        of the datasheet peaks), the all-reduce latencies (NCCL's fixed
+                        part and ring hop, a custom all-reduce's), kernel_gap_s
     engine (engines.toml)   the host terms: step_overhead_s, row_overhead_s, sample_row_s,
                         front_end_row_s, eager_layer_s, front_end_request_s
 
@@ -24,8 +25,8 @@ from refserve.simulator.engine_overheads import HOST_TERMS
 
 BOUNDS_FILE = Path(__file__).with_name("bounds.toml")
 GPU_CONSTANTS = ("flops_efficiency", "fp8_flops_efficiency", "bandwidth_efficiency",
-                 "kv_bandwidth_efficiency",
-                 "attention_efficiency", "allreduce_latency_s", "kernel_gap_s")
+                 "kv_bandwidth_efficiency", "attention_efficiency", "allreduce_latency_s",
+                 "allreduce_hop_s", "custom_allreduce_latency_s", "kernel_gap_s")
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,30 @@ W = num_heads * head_dim and p GPUs of tensor parallelism, one GPU's work is (WA
 
 and the step takes, on the GPU,
 
-    linear     max(F_lin / (peak e_flops), B_lin / (bandwidth e_bw))   compute or weights
+    linear     max(c, w) + (1 - o) min(c, w)                           compute and weights
+               c = F_lin / (peak e_flops), w = B_lin / (bandwidth e_bw),  o = gemm_overlap
     attention  max(F_att / (peak e_attn), B_kv / (bandwidth e_kv))     compute or KV cache
-    allreduce  2 L [2 (p - 1) / p * T H b / link + latency]  (p > 1)   two ring all-reduces
+    allreduce  2 L [2 (p - 1) / p * T H b / link + latency(p)]  (p > 1)   two all-reduces
                                                                        of the T x H
                                                                        activations per layer
     kernels    L * KERNELS_PER_LAYER * kernel_gap                      each kernel's fixed
                                                                        cost (ramp-up, tail,
                                                                        the gap to the next)
+
+The all-reduce's latency belongs to the collective library the engine calls
+(`custom_allreduce`, engines.toml): NCCL's ring passes a small message around the ring
+twice, 2 (p - 1) steps each paying a hop's latency (nccl-tests issue #123), while a custom
+one-shot all-reduce (vLLM's, SGLang's, TensorRT-LLM's, PyTorch's intra-node one) has
+every GPU read every peer's buffer at once:
+
+    NCCL ring   latency(p) = allreduce_latency_s + 2 (p - 1) allreduce_hop_s
+    custom      latency(p) = custom_allreduce_latency_s
+
+The GEMMs' two times overlap only in part: a GEMM whose compute and weight stream take
+about as long (a short prefill, a decode batch of ~100 rows) takes longer than the larger
+of the two. o = 1 is the roofline's max(); o = 0 loads, then computes. o is a property of
+the GPU's GEMM kernels, measured on published per-kernel profiles (gpus.toml's
+gemm_overlap: 0.41 on an A100, 0.37 on an H100), not fitted here.
 
 and on the host (the engine's terms, engines.toml):
 
@@ -93,7 +109,17 @@ KERNELS_PER_LAYER = 10
 STEP_HOST_TERMS = ("step_overhead_s", "row_overhead_s", "sample_row_s", "front_end_row_s",
                    "eager_layer_s")
 GPU_TERMS = ("flops", "fp8_flops", "bandwidth", "attention", "kv_bandwidth",
-             "allreduce_latency_s", "kernel_gap_s")
+             "allreduce_latency_s", "allreduce_hop_s", "custom_allreduce_latency_s",
+             "kernel_gap_s")
+
+
+def overlapped(compute, memory, overlap: float):
+    """max(compute, memory) + (1 - overlap) min(compute, memory): two times of one kernel
+    that overlap by the fraction `overlap` of the shorter (1: the roofline's max)."""
+    if isinstance(compute, np.ndarray) or isinstance(memory, np.ndarray):
+        return (np.maximum(compute, memory)
+                + (1 - overlap) * np.minimum(compute, memory))
+    return max(compute, memory) + (1 - overlap) * min(compute, memory)
 
 
 def _max(a, b):
@@ -151,7 +177,7 @@ class CostModel:
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool = False, served: bool = False,
                  max_graph_batch: int = MAX_GRAPH_BATCH, kv_read_per_query_head: bool = False,
-                 async_output: bool = False):
+                 async_output: bool = False, custom_allreduce: bool = False):
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -163,6 +189,7 @@ class CostModel:
         self.enforce_eager, self.served = enforce_eager, served
         self.max_graph_batch = max_graph_batch
         self.async_output = async_output
+        self.custom_allreduce = custom_allreduce
         b_w = weight_dtype_bytes(dtype, quantization)   # refuses an unknown quantization
         b_kv = kv_cache_dtype_bytes(dtype, kv_cache_dtype)
         self.gemm_dtype = "fp8" if quantization == "fp8" else dtype
@@ -183,6 +210,9 @@ class CostModel:
         self.kv_bytes_per_token = model.kv_bytes_per_token(b_kv, p) * group
         self.allreduce_bytes_per_token = model.hidden_size * b
         self.num_allreduces = 2 * model.num_layers if p > 1 else 0
+        # the all-reduce latency's parts, each multiplying the GPU's constant of its name
+        self.allreduce_parts = ({"custom_allreduce_latency_s": 1.0} if custom_allreduce else
+                                {"allreduce_latency_s": 1.0, "allreduce_hop_s": 2.0 * (p - 1)})
         self.num_kernels = model.num_layers * KERNELS_PER_LAYER
 
     # ---- the formulas ----------------------------------------------------------------
@@ -242,16 +272,22 @@ class CostModel:
         comm = 0.0 * comp.num_tokens
         if self.num_allreduces:
             comm = (w["allreduce_bytes"] / gpu.interconnect_bandwidth
-                    + self.num_allreduces * gpu.allreduce_latency_s)
+                    + self.num_allreduces * self.allreduce_latency())
         return {
-            "linear": _max(w["linear_flops"] / (self.peak * self.gemm_efficiency),
-                           w["linear_bytes"] / (memory * e.bandwidth)),
+            "linear": overlapped(w["linear_flops"] / (self.peak * self.gemm_efficiency),
+                                 w["linear_bytes"] / (memory * e.bandwidth),
+                                 gpu.gemm_overlap),
             "attention": _max(w["attention_flops"] / (self.attention_peak * e.attention),
                               w["kv_bytes"] / (memory * e.kv)),
             "allreduce": comm,
             "kernels": self.num_kernels * e.kernel_gap_s + 0.0 * comp.num_tokens,
             **self.host_terms(comp),
         }
+
+    def allreduce_latency(self) -> float:
+        """latency(p) of one small all-reduce (module docstring)."""
+        values = self.fitted_values()
+        return sum(k * values[name] for name, k in self.allreduce_parts.items())
 
     @staticmethod
     def combine(t: dict):
@@ -296,6 +332,9 @@ class CostModel:
         return {"flops": 1 / e.flops, "fp8_flops": 1 / e.fp8, "bandwidth": 1 / e.bandwidth,
                 "attention": 1 / e.attention, "kv_bandwidth": 1 / e.kv,
                 "allreduce_latency_s": self.gpu.allreduce_latency_s,
+                "allreduce_hop_s": self.gpu.allreduce_hop_s,
+                "custom_allreduce_latency_s": (self.gpu.custom_allreduce_latency_s
+                                               or self.gpu.allreduce_latency_s),
                 "kernel_gap_s": e.kernel_gap_s,
                 **{k: getattr(e, k) for k in STEP_HOST_TERMS}}
 
@@ -315,12 +354,15 @@ class CostModel:
         n, rows = comp.num_sampling_rows + zero, comp.num_rows + zero
         sched = comp.scheduled + zero
         graphed = self.graphed(comp)
-        gemm = pick(lin_c, f_lin, zero)
+        shorter = 1 - gpu.gemm_overlap  # the shorter side's share (`overlapped`)
+        gemm = pick(lin_c, f_lin, shorter * f_lin)
         serial = {"flops": zero if self.quantization == "fp8" else gemm,
                   "fp8_flops": gemm if self.quantization == "fp8" else zero,
-                  "bandwidth": pick(lin_c, zero, b_lin),
+                  "bandwidth": pick(lin_c, shorter * b_lin, b_lin),
                   "attention": pick(att_c, f_att, zero), "kv_bandwidth": pick(att_c, zero, b_kv),
-                  "allreduce_latency_s": self.num_allreduces + zero,
+                  **{name: self.num_allreduces * self.allreduce_parts.get(name, 0.0) + zero
+                     for name in ("allreduce_latency_s", "allreduce_hop_s",
+                                  "custom_allreduce_latency_s")},
                   "kernel_gap_s": self.num_kernels + zero,
                   "step_overhead_s": sched, "row_overhead_s": sched * rows,
                   "sample_row_s": zero if self.async_output else n, "front_end_row_s": zero,
@@ -353,7 +395,8 @@ class CostModel:
                          enforce_eager=self.enforce_eager, served=self.served,
                          max_graph_batch=self.max_graph_batch,
                          kv_read_per_query_head=self.kv_read_per_query_head,
-                         async_output=self.async_output)
+                         async_output=self.async_output,
+                         custom_allreduce=self.custom_allreduce)
 
     def describe(self) -> str:
         e = self.eff
@@ -366,7 +409,8 @@ class CostModel:
                 f"{e.bandwidth:.0%}"
                 f"{kv} of {self.gpu.memory_bandwidth / 1e9:.0f} GB/s, attention "
                 f"{e.attention:.0%}" + (f" (tiles of {self.tile})" if self.tile else "")
-                + f", all-reduce {self.gpu.allreduce_latency_s * 1e6:.1f} us, "
+                + f", all-reduce {self.allreduce_latency() * 1e6:.1f} us "
+                + f"({'custom' if self.custom_allreduce else 'NCCL ring'}), "
                 f"{e.kernel_gap_s * 1e6:.2f} us per kernel; "
                 f"host {e.step_overhead_s * 1e3:.2f} ms/step + {e.row_overhead_s * 1e6:.1f} "
                 f"us/row + {e.sample_row_s * 1e6:.1f} us/sampled row"
@@ -378,4 +422,4 @@ class CostModel:
                 + f", eager launch {e.eager_layer_s * 1e6:.1f} us/layer")
 
 
-__all__ = ["CostModel", "Efficiencies", "StepComposition"]
+__all__ = ["CostModel", "Efficiencies", "StepComposition", "overlapped"]

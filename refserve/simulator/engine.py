@@ -212,7 +212,8 @@ class SimulatedEngine:
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             enforce_eager=config.enforce_eager, served=served,
             kv_read_per_query_head=engine is not None and engine.kv_read_per_query_head,
-            async_output=engine is not None and engine.async_output)
+            async_output=engine is not None and engine.async_output,
+            custom_allreduce=engine is not None and engine.custom_allreduce)
         if spec is not None:
             outputs = SimulatedSpeculation(spec, self.cost_model, self.max_model_len,
                                            config.max_num_batched_tokens, spec_alpha,

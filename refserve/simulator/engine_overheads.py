@@ -18,12 +18,15 @@ engine (and version family), each constant with what it was fitted on:
     eager_layer_s     seconds per layer         launching a layer's kernels one by one (a
                                                 step without a CUDA graph)
 
-and two properties: `kv_read_per_query_head`, of its attention kernel: an engine without a
+and three properties: `kv_read_per_query_head`, of its attention kernel: an engine without a
 grouped-query decode kernel reads each KV head once for every query head that shares it
 (TensorRT-LLM before its Hopper XQA kernels for Llama 2 70B, release 0.10.0), which
 multiplies B_kv by num_heads / num_kv_heads; and `async_output`: the engine processes a
 step's outputs while the next step runs (vLLM 0.6's asynchronous output processing), so
-sample_row_s is a lane beside the GPU's work instead of a term after it (cost_model.py).
+sample_row_s is a lane beside the GPU's work instead of a term after it (cost_model.py);
+and `custom_allreduce`: its tensor-parallel all-reduce is a custom one-shot kernel over
+NVLink rather than NCCL's ring, which prices the all-reduce's latency differently
+(cost_model.py).
 
 `CostModel` adds them as its `launch` and `cpu` terms (cost_model.py).
 """
@@ -53,6 +56,8 @@ class EngineOverheads:
     kv_read_per_query_head: bool = False
     # The outputs of step n are processed while step n + 1 runs.
     async_output: bool = False
+    # The tensor-parallel all-reduce is a custom one-shot kernel, not NCCL's ring.
+    custom_allreduce: bool = False
     source: dict[str, str] = field(default_factory=dict)
 
     def apply(self, eff):
@@ -72,7 +77,7 @@ class EngineOverheads:
 STEP_TERMS = ("step_overhead_s", "row_overhead_s", "sample_row_s", "front_end_row_s",
               "eager_layer_s")
 HOST_TERMS = (*STEP_TERMS, "front_end_request_s")
-FLAGS = ("kv_read_per_query_head", "async_output")
+FLAGS = ("kv_read_per_query_head", "async_output", "custom_allreduce")
 
 
 def engine_names() -> list[str]:

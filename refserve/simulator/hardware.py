@@ -63,6 +63,15 @@ class GpuProfile:
     # Queries and keys per tile of the attention kernel (0: exact query-key pairs, as the
     # NumPy engine computes them; a GPU profile prices FlashAttention's tiles)
     attention_tile: int = 0
+    # NCCL's ring all-reduce: each of its 2 (p - 1) steps' latency, on top of
+    # allreduce_latency_s (0: a flat latency; cost_model.py)
+    allreduce_hop_s: float = 0.0
+    # A custom one-shot all-reduce's latency (vLLM's, SGLang's, TensorRT-LLM's, PyTorch's
+    # intra-node one; 0: the same as allreduce_latency_s)
+    custom_allreduce_latency_s: float = 0.0
+    # The fraction of the shorter of a GEMM's compute and weight-stream times hidden under
+    # the longer (cost_model.overlapped; 1: the roofline's max)
+    gemm_overlap: float = 1.0
     source: dict[str, str] = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
@@ -162,6 +171,9 @@ def _profile(key: str, table: dict, origin: str) -> GpuProfile:
         if not 0 <= value <= 1:
             raise ValueError(f"GPU profile {key!r}: {name}={value!r} must be in [0, 1] (0: "
                              f"the same as {same})")
+    if not 0 <= values.get("gemm_overlap", 1.0) <= 1:
+        raise ValueError(f"GPU profile {key!r}: gemm_overlap={values['gemm_overlap']!r} must "
+                         "be in [0, 1] (1: the roofline's max)")
     for name in ("flops_efficiency", "bandwidth_efficiency", "attention_efficiency"):
         if not 0 < values[name] <= 1:
             raise ValueError(f"GPU profile {key!r}: {name}={values[name]!r} must be in (0, 1]")

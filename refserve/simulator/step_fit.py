@@ -30,7 +30,10 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50,
     Writing x_f = 1 / (peak e_flops), x_b = 1 / (bandwidth e_bw), x_a = 1 / (peak e_attn),
     x_k = 1 / (bandwidth e_kv) (= x_b unless `separate_kv`), the model is
 
-        t = max(F_lin x_f, B_lin x_b) + max(F_att x_a, B_kv x_k) + o_step + o_row R + comm
+        t = [F_lin x_f, B_lin x_b] + max(F_att x_a, B_kv x_k) + o_step + o_row R + comm
+
+    with [c, w] = max(c, w) + (1 - o) min(c, w), the GPU's gemm_overlap o held as it is
+    (cost_model.overlapped; o = 1 on "this machine": the max).
 
     Which side of each `max` binds is the roofline's question. Given that choice per sample,
     t is linear in theta = (x_f, x_a, x_b, o_step, o_row, x_k), so this alternates:
@@ -67,6 +70,7 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50,
     comm = np.array([_unfitted_seconds(cost_model, c) for c, _ in samples])
     theta = np.array([1 / e.flops, 1 / e.attention, 1 / e.bandwidth, e.step_overhead_s,
                       e.row_overhead_s, 1 / e.kv])
+    shorter = 1 - gpu.gemm_overlap
     marks, iterations = None, 0
     while iterations < max_iterations:
         iterations += 1
@@ -77,8 +81,10 @@ def fit(cost_model: CostModel, profile, max_iterations: int = 50,
             break
         marks = new_marks
         kv = np.where(att_compute, 0.0, b_kv)
-        x = np.stack([np.where(lin_compute, f_lin, 0.0), np.where(att_compute, f_att, 0.0),
-                      np.where(lin_compute, 0.0, b_lin) + (0.0 if separate_kv else kv),
+        x = np.stack([np.where(lin_compute, f_lin, shorter * f_lin),
+                      np.where(att_compute, f_att, 0.0),
+                      np.where(lin_compute, shorter * b_lin, b_lin)
+                      + (0.0 if separate_kv else kv),
                       np.ones_like(t), rows, kv if separate_kv else np.zeros_like(t)],
                      axis=1)
         theta = _nonnegative_lstsq(x / t[:, None], (t - comm) / t, theta)

@@ -34,6 +34,7 @@ HELD_OUT = (
     "sglang-a100-8b-rate8-tpot", "sglang-h100-70b-rate8-ttft", "vllm-h100-70b-rate8-tpot",
     "vllm-a100-8b-offline", "vllm-a100-8b-rate8-ttft", "sglang-h100-70b-rate8-itl",
     "gptfast-a100-7b-tp4", "gptfast-a100-70b-tp4",
+    "gptfast-nccl-a100-7b-tp4", "gptfast-nccl-a100-70b-tp4",
     "lmdeploy-a100-7b-b1-128-2048", "lmdeploy-a100-70b-ttft-128",
     "lmdeploy-a100-70b-sharegpt-b128",
     "trt1-h200-8b-5000-500", "trt1-h100-8b-2048-128",
@@ -80,6 +81,9 @@ class Measurement:
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     served: bool = False
+    # the engine's collective library where the run used another than its profile's
+    # (engines.toml custom_allreduce); None: the profile's
+    custom_allreduce: bool | None = None
     note: str = ""
 
     @property
@@ -140,6 +144,9 @@ def load_measurements(directory: Path = MEASUREMENTS_DIR) -> list[Measurement]:
 GPU_VALUES = {"flops": "flops_efficiency", "fp8_flops": "fp8_flops_efficiency",
               "bandwidth": "bandwidth_efficiency", "attention": "attention_efficiency",
               "kv_bandwidth": "kv_bandwidth_efficiency"}
+# the GPU constants in seconds the fit moves
+LATENCIES = ("allreduce_latency_s", "allreduce_hop_s", "custom_allreduce_latency_s",
+             "kernel_gap_s")
 # a fraction that 0 means "the same as another" in gpus.toml
 SAME_AS = {"kv_bandwidth_efficiency": "bandwidth_efficiency",
            "fp8_flops_efficiency": "flops_efficiency"}
@@ -174,6 +181,9 @@ class Constants:
                 value = getattr(g, name) or getattr(g, SAME_AS.get(name, name))
                 out[("gpu", fit_key, name)] = value
             out[("gpu", fit_key, "allreduce_latency_s")] = g.allreduce_latency_s
+            out[("gpu", fit_key, "allreduce_hop_s")] = g.allreduce_hop_s
+            out[("gpu", fit_key, "custom_allreduce_latency_s")] = (
+                g.custom_allreduce_latency_s or g.allreduce_latency_s)
             out[("gpu", fit_key, "kernel_gap_s")] = g.kernel_gap_s
         for key, e in self.engines.items():
             for name in HOST_TERMS:
@@ -186,7 +196,7 @@ class Constants:
             fit_key = FIT_GPU.get(key, key)
             gpus[key] = apply_overrides(g, {
                 name: values[("gpu", fit_key, name)]
-                for name in (*GPU_VALUES.values(), "allreduce_latency_s", "kernel_gap_s")
+                for name in (*GPU_VALUES.values(), *LATENCIES)
                 if ("gpu", fit_key, name) in values})
         engines = {key: dataclasses.replace(e, **{n: values.get(("engine", key, n),
                                                                  getattr(e, n))
@@ -239,11 +249,19 @@ def engine_config(m: Measurement) -> EngineConfig:
                         gpu_memory_utilization=m.gpu_memory_utilization, dtype=m.dtype)
 
 
+def engine_profile(m: Measurement, constants: Constants) -> EngineOverheads:
+    """The engine profile `m` ran on, with the row's collective library if it names one."""
+    engine = constants.engine(m.engine_profile)
+    if m.custom_allreduce is None:
+        return engine
+    return dataclasses.replace(engine, custom_allreduce=m.custom_allreduce)
+
+
 def engine_for(m: Measurement, constants: Constants, cost_model=None) -> SimulatedEngine:
     return SimulatedEngine(load_model(m.model), constants.gpu(m.gpu), engine_config(m),
                            tensor_parallel_size=m.tp, cost_model=cost_model,
                            quantization=m.quantization, kv_cache_dtype=m.kv_cache_dtype,
-                           engine=constants.engine(m.engine_profile), served=m.served,
+                           engine=engine_profile(m, constants), served=m.served,
                            num_scheduler_steps=m.num_scheduler_steps)
 
 

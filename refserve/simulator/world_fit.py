@@ -34,7 +34,14 @@ import numpy as np
 
 from refserve.simulator.bounds import Bounds
 from refserve.simulator.cost_model import GPU_TERMS, STEP_HOST_TERMS
-from refserve.simulator.world import FIT_GPU, GPU_VALUES, Constants, Measurement, cost_model_for
+from refserve.simulator.world import (
+    FIT_GPU,
+    GPU_VALUES,
+    LATENCIES,
+    Constants,
+    Measurement,
+    cost_model_for,
+)
 from refserve.simulator.world_replay import Replay, replay
 
 TOLERANCE = 1e-3
@@ -44,8 +51,7 @@ RIDGE = 1e-3
 # again and replays the rows that are cheap to replay).
 FIT_RECORD = Path(__file__).with_name("world_fit_record.json")
 # cost_model.linearize's value names -> the constant they are 1 / (an efficiency) or equal
-LINEAR_NAME = {**{k: v for k, v in GPU_VALUES.items()}, "allreduce_latency_s":
-               "allreduce_latency_s", "kernel_gap_s": "kernel_gap_s",
+LINEAR_NAME = {**{k: v for k, v in GPU_VALUES.items()}, **{k: k for k in LATENCIES},
                **{k: k for k in STEP_HOST_TERMS}}
 INVERSE = set(GPU_VALUES.values())  # fitted as 1 / value
 

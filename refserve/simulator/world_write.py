@@ -7,10 +7,10 @@ import re
 
 from refserve.simulator.engine_overheads import ENGINES_FILE, HOST_TERMS
 from refserve.simulator.hardware import PROFILES_FILE
-from refserve.simulator.world import FIT_GPU, GPU_VALUES, Constants
+from refserve.simulator.world import FIT_GPU, GPU_VALUES, LATENCIES, Constants
 
 SIGNIFICANT = 4
-GPU_FIELDS = (*GPU_VALUES.values(), "allreduce_latency_s", "kernel_gap_s")
+GPU_FIELDS = (*GPU_VALUES.values(), *LATENCIES)
 
 
 def shipped_value(value: float) -> float:
