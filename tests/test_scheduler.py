@@ -23,9 +23,11 @@ from refserve.scheduler import (
     StaticScheduler,
     stub_next_token,
 )
+from refserve.scheduler.prefill_first import PrefillFirstScheduler
 from refserve.sequence import Sequence, SequenceStatus
 
-SCHEDULERS = {"continuous": Scheduler, "static": StaticScheduler}
+SCHEDULERS = {"continuous": Scheduler, "static": StaticScheduler,
+              "prefill-first": PrefillFirstScheduler}
 
 
 class FakeRunner:
@@ -193,7 +195,7 @@ def workloads(draw):
                 host_blocks=draw(st.sampled_from([0, 2, 8, 1000])))
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static"])
+@pytest.mark.parametrize("batching", ["continuous", "static", "prefill-first"])
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads())
 def test_random_workloads(batching, w):
@@ -235,10 +237,15 @@ def check_random_workload(batching, policy, preemption, w):
     # Liveness: the oldest running sequence gets budget first and is never preempted, so
     # every step advances it; no request needs more steps than it has tokens. Under
     # "priority" a later, more urgent arrival can preempt the one served first, so the
-    # work lost to preemption is bounded by one redo per later arrival instead.
+    # work lost to preemption is bounded by one redo per later arrival instead. Under
+    # prefill-first the decodes wait out every prefill step, and a prefill that finds no
+    # room preempts the newest running sequence (maybe itself, and then the decodes run):
+    # at most one round of all the prefill work per output token.
     bound = sum(len(r["prompt"]) + r["max_tokens"] for r in requests)
     if policy == "priority":
         bound *= len(requests)
+    if batching == "prefill-first":
+        bound *= 1 + sum(r["max_tokens"] for r in requests)
 
     seqs: dict[str, Sequence] = {}
     finished: dict[str, Sequence] = {}
@@ -307,7 +314,7 @@ def check_random_workload(batching, policy, preemption, w):
         assert finished[rid].status.finish_reason == reason
         assert finished[rid].token_ids == r["prompt"] + tokens
     assert sched.slot_steps_used <= num_steps * w["max_num_seqs"]
-    if batching == "continuous":
+    if batching != "static":
         assert sched.slot_steps_wasted == 0
     else:  # it reserved every batch's whole generation up front
         assert sched.num_preemptions == 0
