@@ -18,6 +18,7 @@ what was expected; a missing folder is a `FileNotFoundError`.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from pathlib import Path
@@ -179,8 +180,19 @@ def resolve_model_path(model: str | None, progress: bool = True) -> Path:
 
 def load_tokenizer(path: Path):
     """The HF fast tokenizer of a model folder, or None when the folder has none (then only
-    token-id prompts are accepted). transformers works without torch for this."""
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+    token-id prompts are accepted). transformers works without torch for this.
+
+    Loaded once per folder and process (half a second each time otherwise): engines built
+    one after another, as the benches and tests do, share it. Nothing in refserve changes a
+    tokenizer after loading; a folder whose tokenizer files change is loaded again."""
+    files = (path / "tokenizer.json", path / "tokenizer_config.json")
+    stamps = tuple(f.stat().st_mtime_ns if f.is_file() else None for f in files)
+    if stamps == (None, None):
         return None
+    return _tokenizer_of(str(path.resolve()), stamps)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_of(path: str, stamps: tuple) -> object:
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(path)
