@@ -27,9 +27,9 @@ and the step takes, on the GPU,
 
 The all-reduce's latency belongs to the collective library the engine calls
 (`custom_allreduce`, engines.toml): NCCL's ring passes a small message around the ring
-twice, 2 (p - 1) steps each paying a hop's latency (nccl-tests issue #123), while a custom
-one-shot all-reduce (vLLM's, SGLang's, TensorRT-LLM's, PyTorch's intra-node one) has
-every GPU read every peer's buffer at once:
+twice, 2 (p - 1) steps each paying a hop's latency (measured figures in bounds.toml),
+while a custom one-shot all-reduce (vLLM's, SGLang's, TensorRT-LLM's, PyTorch's
+intra-node one) has every GPU read every peer's buffer at once:
 
     NCCL ring   latency(p) = allreduce_latency_s + 2 (p - 1) allreduce_hop_s
     custom      latency(p) = custom_allreduce_latency_s
@@ -96,7 +96,7 @@ MAX_GRAPH_BATCH = 512
 # A query tile's fixed cost (loading its queries, the softmax's final rescale, writing its
 # output), in units of one key-tile iteration. From the FlashAttention-3 forward pass at
 # head dimension 128 on an H100, batch x length = 16K, 16 heads (pytorch/benchmark commit
-# ff65cb6, PR #2391): 430.3, 517.1, 565.5, 590.2, 614.2, 620.7 TFLOP/s at lengths 512 ...
+# ff65cb6): 430.3, 517.1, 565.5, 590.2, 614.2, 620.7 TFLOP/s at lengths 512 ...
 # 16384 (the benchmark's default, non-causal). With n = length / 128 key tiles per query
 # tile, n / (n + 1.85) times one plateau (630 TFLOP/s) reproduces all six within 1.0%.
 TILE_OVERHEAD = 1.85

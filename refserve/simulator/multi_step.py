@@ -1,16 +1,17 @@
 """vLLM V0's multi-step scheduling (--num-scheduler-steps n), around the real scheduler.
 
 vLLM 0.6 (V0 engine) can call its scheduler once and then run the same batch for n
-forward passes, each feeding its sampled token to the next on the GPU (vLLM PR #7000; its
-RFC, vLLM issue #6854, measured 5-13 ms of GPU idle per decode step for the scheduler,
-the input preparation and the output processing that multi-step pays once per n steps).
+forward passes, each feeding its sampled token to the next on the GPU. Why: the
+scheduler, the input preparation and the output processing leave the GPU idle for 5-13 ms
+per decode step (the multi-step design's own measurement, cited in bounds.toml), and
+multi-step pays them once per n steps.
 As vLLM 0.6.0 runs it:
 
     a round     one scheduler call, then n decode steps of the batch it chose; no sequence
                 joins the batch until the round ends (a new request waits in the queue)
     a prefill   a step with prefill rows runs alone, one step (vLLM 0.6.0's scheduler
-                gives a prompt's sequence group no lookahead slots; mixing prompts into a
-                round came later, with chunked prefill, vLLM PR #8378)
+                gives a prompt's sequence group no lookahead slots, so prompts do not
+                join a round)
     outputs     the tokens of a round reach the client together when the round ends (the
                 outputs are turned into Python objects once per round): a client sees its
                 tokens in bursts of n, one inter-token gap per round
