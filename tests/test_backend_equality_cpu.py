@@ -28,6 +28,9 @@ from refserve.backends.cpu_attention import gather_context
 from refserve.sampling import SamplingParams, draw_arguments, nucleus_arguments
 
 REFERENCE, TUNED = NumpyBackend(), CpuBackend()
+# Both kinds of tuned kernels: compiled (numba; what runs wherever it loads) and the NumPy
+# forms (where it cannot).
+KERNELS = {"compiled": CpuBackend(kernels="compiled"), "numpy": CpuBackend(kernels="numpy")}
 SETTINGS = settings(deadline=None, max_examples=40,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -72,32 +75,35 @@ def test_linear_equals_the_reference_product(rows, form):
 # ------------------------------------------------------------------- paged_attention
 
 
-def both(*batch, scale):
+def both(*batch, scale, tuned=TUNED):
     q, k_cache, v_cache, tables, ctx, qsl = batch
     ref = paged_attention(REFERENCE, q, k_cache, v_cache, tables, ctx, qsl, scale)
-    got = paged_attention(TUNED, q, k_cache, v_cache, tables, ctx, qsl, scale)
+    got = paged_attention(tuned, q, k_cache, v_cache, tables, ctx, qsl, scale)
     assert got.dtype == ref.dtype == np.float32 and got.shape == ref.shape
     return got, ref
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @settings(max_examples=60, deadline=None)
-@given(attention_case())
-def test_paged_attention_equals_the_reference(case):
+@given(case=attention_case())
+def test_paged_attention_equals_the_reference(kernels, case):
     rng = np.random.default_rng(case["seed"])
     batch = build_batch(rng, case["block_size"], case["num_kv_heads"], case["group"],
                         case["head_dim"], case["chunks"])
     scale = 1.0 / np.sqrt(case["head_dim"])
-    got, ref = both(*batch[:6], scale=scale)
+    got, ref = both(*batch[:6], scale=scale, tuned=KERNELS[kernels])
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     # And the naive contiguous cache (the decode batch's view path) gives the same.
     ctx, logical = batch[4], batch[6]
     kc, vc, tables = contiguous_copy(logical, int(ctx.max()) + 5, rng)
-    got, ref = both(batch[0], kc, vc, tables, ctx, batch[5], scale=scale)
+    got, ref = both(batch[0], kc, vc, tables, ctx, batch[5], scale=scale,
+                    tuned=KERNELS[kernels])
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("block_size", [16, 2048])
-def test_paged_attention_at_smollm_shapes(block_size):
+def test_paged_attention_at_smollm_shapes(block_size, kernels):
     """SmolLM2 shapes (H=9, Hkv=3, D=64): a decode batch with contexts past the view
     threshold (48 keys), a full prefill of 600 and a mid-prompt chunk of 300 (several query
     tiles of 256), on a paged cache and on the contiguous one."""
@@ -107,7 +113,8 @@ def test_paged_attention_at_smollm_shapes(block_size):
     q, k_cache, v_cache, tables, ctx, qsl, logical = build_batch(rng, 16, 3, 3, 64, chunks)
     if block_size == 2048:
         k_cache, v_cache, tables = contiguous_copy(logical, block_size, rng)
-    got, ref = both(q, k_cache, v_cache, tables, ctx, qsl, scale=np.float32(1 / 8))
+    got, ref = both(q, k_cache, v_cache, tables, ctx, qsl, scale=np.float32(1 / 8),
+                    tuned=KERNELS[kernels])
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, dense_reference(q, logical, qsl, 1 / 8), rtol=1e-5,
                                atol=1e-6)
@@ -124,7 +131,7 @@ def test_a_contiguous_context_is_read_as_a_view():
 def test_results_do_not_alias_the_reused_gather_buffers():
     """The decode batch gathers into scratch buffers reused across calls (and across shapes);
     an earlier call's output must survive a later call."""
-    backend = CpuBackend()
+    backend = CpuBackend(kernels="numpy")
     rng = np.random.default_rng(3)
     first = build_batch(rng, 8, 2, 3, 16, [(30, 1), (17, 1), (5, 1)])
     out1 = paged_attention(backend, *first[:6], 0.25)

@@ -18,16 +18,19 @@ from hypothesis import strategies as st
 from test_paged_attention import paged_attention
 from test_paged_attention import reference as dense_reference
 
-from refserve.backends import CpuBackend, NumpyBackend
+from refserve.backends import CpuBackend, NumpyBackend, compiled
 from refserve.backends.attention_metadata import PAD_BLOCK
 from refserve.backends.cpu_attention import MIN_VIEW_WORK, PagedAttention, plan_decode
 
 REFERENCE = NumpyBackend()
+COMPILED = CpuBackend(kernels="compiled") if compiled.available() else None
 ALL_VIEWS, DEFAULT, ALL_GATHERED = 1, MIN_VIEW_WORK, 10**9
 
 
 def tuned(min_view_work: int) -> CpuBackend:
-    backend = CpuBackend()
+    """The NumPy forms' attention (the compiled kernel plans nothing: every row reads its
+    own blocks), with this view threshold."""
+    backend = CpuBackend(kernels="numpy")
     backend._attention = PagedAttention(min_view_work)
     return backend
 
@@ -91,14 +94,19 @@ def shared_batch(rng, block_size, num_kv_heads, group, head_dim, prefix_len, row
 
 
 def check(batch, min_view_work):
+    """The NumPy forms with this view threshold, and the compiled kernel (which reads every
+    row's blocks itself, shared or not), against the reference and the dense float64 one."""
     q, k_cache, v_cache, tables, ctx, qsl, logical = batch
     scale = np.float32(1 / np.sqrt(q.shape[2]))
-    got = paged_attention(tuned(min_view_work), q, k_cache, v_cache, tables, ctx, qsl, scale)
     ref = paged_attention(REFERENCE, q, k_cache, v_cache, tables, ctx, qsl, scale)
-    assert got.dtype == np.float32 and got.shape == q.shape
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got, dense_reference(q, logical, qsl, scale), rtol=1e-5,
-                               atol=1e-6)
+    for backend in (tuned(min_view_work), COMPILED):
+        if backend is None:
+            continue
+        got = paged_attention(backend, q, k_cache, v_cache, tables, ctx, qsl, scale)
+        assert got.dtype == np.float32 and got.shape == q.shape
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, dense_reference(q, logical, qsl, scale), rtol=1e-5,
+                                   atol=1e-6)
 
 
 @st.composite

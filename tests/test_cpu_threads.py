@@ -124,8 +124,9 @@ def test_busy_seconds_reads_the_busy_columns_of_the_masks_cpus(tmp_path, monkeyp
 
 def test_the_engine_says_its_threads_at_start_up():
     backend = CpuBackend()
-    assert backend.startup_note().startswith("threads: ")
-    assert "REFSERVE_CPU_THREADS" in backend.startup_note()
+    kernels, threads = backend.startup_note().split(" | ")
+    assert kernels.startswith("kernels: ") and threads.startswith("threads: ")
+    assert "REFSERVE_CPU_THREADS" in threads
     assert ct.thread_policy() is backend.threads is CpuBackend().threads   # one per process
 
 

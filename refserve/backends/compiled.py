@@ -74,7 +74,8 @@ def _load():
         if setting() == "compiled":
             raise RuntimeError(f"{ENV}=compiled but numba cannot be imported "
                                f"({type(exc).__name__}: {exc}); pip install numba") from exc
-        return None, f"numba cannot be imported ({type(exc).__name__}: {exc})"
+        return None, (f"numba cannot be imported ({type(exc).__name__}: {exc}); "
+                      "`pip install numba` gives the compiled kernels")
     where = cache_dir_for(Path(__file__).parent)
     if where is not None:
         where.mkdir(parents=True, exist_ok=True)

@@ -15,10 +15,12 @@ query rows attend keys 0 .. its last token's position. Per task, with s = (q · 
     pass 1   block by block through the block table (`block_tables[i, n // block_size]`
              holds key n at offset `n % block_size`), every key read once for all R rows:
              the scores, 4 keys per pass over the head dimension
-    pass 2   per row: m = max s, p = exp(s - m), l = Σ p over the keys up to its own
-             position (a stable softmax); keys after it get p = 0 (causal)
+    pass 2   per row: m = max s, p = exp(s - m), l = Σ p (a stable softmax)
     pass 3   block by block again, every value read once: o += p · v for the R rows,
              4 values per pass; out = o / l
+
+Each row runs over the keys up to its own position only (causal), so a token's sums are
+grouped and ordered the same in a decode as in a verify chunk: bitwise the same output.
 
 so K and V are read once per task, in block order (a block's slots of all kv heads are
 contiguous), and nothing the size of a context is written but the task's scores (R x keys
@@ -41,6 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from refserve.backends.compiled import jit, prange
+from refserve.backends.cpu_exp import exp32
 
 MAX_QUERY_LEN = 8    # longer chunks (prefills) run as NumPy tiles over OpenBLAS (below)
 
@@ -59,47 +62,47 @@ def attention_tasks(query_start_loc: np.ndarray, max_query_len: int = MAX_QUERY_
 
 
 @jit(inline=True)
-def _scores(queries, k_cache, block, off, count, kv, t, h, scores, n):
-    """scores[t, h, n + i] = queries[t, h] · k_cache[block, off + i, kv] for i < count:
+def _scores(queries, k_cache, block, count, kv, t, h, scores, n):
+    """scores[t, h, n + i] = queries[t, h] · k_cache[block, i, kv] for i < count:
     4 keys per pass over d where 4 remain (the query row loaded once for them)."""
     i = 0
     while i + 4 <= count:
         s0 = s1 = s2 = s3 = np.float32(0)
         for d in range(queries.shape[2]):
             qd = queries[t, h, d]
-            s0 += qd * k_cache[block, off + i, kv, d]
-            s1 += qd * k_cache[block, off + i + 1, kv, d]
-            s2 += qd * k_cache[block, off + i + 2, kv, d]
-            s3 += qd * k_cache[block, off + i + 3, kv, d]
+            s0 += qd * k_cache[block, i, kv, d]
+            s1 += qd * k_cache[block, i + 1, kv, d]
+            s2 += qd * k_cache[block, i + 2, kv, d]
+            s3 += qd * k_cache[block, i + 3, kv, d]
         scores[t, h, n + i], scores[t, h, n + i + 1] = s0, s1
         scores[t, h, n + i + 2], scores[t, h, n + i + 3] = s2, s3
         i += 4
     while i < count:
         s = np.float32(0)
         for d in range(queries.shape[2]):
-            s += queries[t, h, d] * k_cache[block, off + i, kv, d]
+            s += queries[t, h, d] * k_cache[block, i, kv, d]
         scores[t, h, n + i] = s
         i += 1
 
 
 @jit(inline=True)
-def _accumulate(acc, v_cache, block, off, count, kv, t, h, scores, n):
-    """acc[t, h] += Σ_i scores[t, h, n + i] · v_cache[block, off + i, kv] for i < count:
+def _accumulate(acc, v_cache, block, count, kv, t, h, scores, n):
+    """acc[t, h] += Σ_i scores[t, h, n + i] · v_cache[block, i, kv] for i < count:
     4 values per pass over d where 4 remain (acc loaded and stored once for them)."""
     i = 0
     while i + 4 <= count:
         p0, p1 = scores[t, h, n + i], scores[t, h, n + i + 1]
         p2, p3 = scores[t, h, n + i + 2], scores[t, h, n + i + 3]
         for d in range(acc.shape[2]):
-            acc[t, h, d] += (p0 * v_cache[block, off + i, kv, d]
-                             + p1 * v_cache[block, off + i + 1, kv, d]
-                             + p2 * v_cache[block, off + i + 2, kv, d]
-                             + p3 * v_cache[block, off + i + 3, kv, d])
+            acc[t, h, d] += (p0 * v_cache[block, i, kv, d]
+                             + p1 * v_cache[block, i + 1, kv, d]
+                             + p2 * v_cache[block, i + 2, kv, d]
+                             + p3 * v_cache[block, i + 3, kv, d])
         i += 4
     while i < count:
         p = scores[t, h, n + i]
         for d in range(acc.shape[2]):
-            acc[t, h, d] += p * v_cache[block, off + i, kv, d]
+            acc[t, h, d] += p * v_cache[block, i, kv, d]
         i += 1
 
 
@@ -129,11 +132,14 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, quer
         scores = np.empty((tokens, num_heads, num_keys), dtype=np.float32)
         for b in range((num_keys + block_size - 1) // block_size):      # pass 1: q · k
             n = b * block_size
-            count = min(block_size, num_keys - n)
             for t in range(tokens):
+                # Only the keys token t sees: a row's sums then run over its own keys in
+                # the same groups whatever else is in the task (decode and verify agree).
+                count = min(block_size, first + t + 1 - n)
                 for h in range(num_heads):
-                    _scores(queries, k_cache, block_tables[seq, b], 0, count, h // group,
-                            t, h, scores, n)
+                    if count > 0:
+                        _scores(queries, k_cache, block_tables[seq, b], count, h // group,
+                                t, h, scores, n)
         total = np.empty((tokens, num_heads), dtype=np.float32)
         for t in range(tokens):                                          # pass 2: softmax
             visible = first + t + 1
@@ -143,20 +149,19 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, quer
                     top = max(top, scores[t, h, n])
                 mass = np.float32(0)
                 for n in range(visible):
-                    e = np.exp(scores[t, h, n] - top)
+                    e = exp32(scores[t, h, n] - top)
                     scores[t, h, n] = e
                     mass += e
                 total[t, h] = mass
-                for n in range(visible, num_keys):   # after t's position: weight exactly 0
-                    scores[t, h, n] = 0
         acc = np.zeros((tokens, num_heads, head_dim), dtype=np.float32)
         for b in range((num_keys + block_size - 1) // block_size):      # pass 3: p · v
             n = b * block_size
-            count = min(block_size, num_keys - n)
             for t in range(tokens):
+                count = min(block_size, first + t + 1 - n)
                 for h in range(num_heads):
-                    _accumulate(acc, v_cache, block_tables[seq, b], 0, count, h // group,
-                                t, h, scores, n)
+                    if count > 0:
+                        _accumulate(acc, v_cache, block_tables[seq, b], count, h // group,
+                                    t, h, scores, n)
         for t in range(tokens):
             for h in range(num_heads):
                 for d in range(head_dim):

@@ -65,7 +65,7 @@ class CpuBackend(NumpyBackend):
         where numba loads (compiled.py). `matmul`, with NumPy kernels: one few-row form for
         every weight (few_row_matmul.FORMS, e.g. "plain" to time the products as one gemv /
         sgemm each); None: REFSERVE_MATMUL, else calibrated per weight shape."""
-        choice = kernels or compiled.setting()
+        choice = kernels or ("numpy" if matmul is not None else compiled.setting())
         if choice not in compiled.CHOICES:
             raise ValueError(f"kernels={kernels!r}: choose one of "
                              f"{', '.join(compiled.CHOICES)}")
@@ -80,6 +80,9 @@ class CpuBackend(NumpyBackend):
         self._tasks: np.ndarray | None = None
         if self.compiled:
             from refserve.backends import cpu_attention_kernel, cpu_linear
+            from refserve.backends.cpu_forward import fused_forward
+
+            self._forward = fused_forward
 
             self._weight = cpu_linear.CompiledWeight
             self._kernels = cpu_attention_kernel
@@ -94,11 +97,14 @@ class CpuBackend(NumpyBackend):
         return f"{kernels} | {self.threads.describe()}"
 
     def forward(self, model, inputs, kv_caches) -> np.ndarray:
-        """The reference's forward, with the compiled kernels' threads set for this step
-        from the thread policy (numba's count is per calling thread: the engine's)."""
-        if self.compiled:
-            compiled.set_threads(self.threads.threads())
-        return super().forward(model, inputs, kv_caches)
+        """Compiled: the fused forward of cpu_forward.py, with the kernels' threads set for
+        this step from the thread policy (numba's count is per calling thread: the
+        engine's). NumPy forms: the reference's forward."""
+        if not self.compiled:
+            return super().forward(model, inputs, kv_caches)
+        compiled.set_threads(self.threads.threads())
+        return self._forward(model, inputs.input_ids, inputs.positions, inputs.attn, kv_caches,
+                             inputs.logits_indices)
 
     # ------------------------------------------------------------ dense products
 
