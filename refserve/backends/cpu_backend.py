@@ -108,20 +108,25 @@ class CpuBackend(NumpyBackend):
 
     # ------------------------------------------------------------ dense products
 
-    def prepare_weight(self, weight: np.ndarray) -> DenseWeight:
-        """W [out, in] stored in the layout of its shape's plan (calibrated on first use of
-        the shape, then cached per process): see few_row_matmul.py."""
+    def prepare_weight(self, weight: np.ndarray):
+        """Compiled: W [out, in] made C-contiguous float32 once (cpu_linear.py). NumPy
+        forms: stored in the layout of its shape's plan (calibrated on first use of the
+        shape, then cached per process): see few_row_matmul.py."""
+        if self.compiled:
+            return self._weight(weight)
         return DenseWeight(weight, self._plan)
 
-    def weight_matrix(self, weight: DenseWeight) -> np.ndarray:
+    def weight_matrix(self, weight) -> np.ndarray:
         """W [out, in]: the stored array or a transposed view of it (never a copy)."""
         return weight.out_in
 
-    def linear(self, x: np.ndarray, weight: DenseWeight) -> np.ndarray:
-        """x · Wᵀ by the form the weight's plan names for x's row count. Differs from the
-        reference's x @ W.T only in float rounding (the same products, another order).
-        Asks the thread policy for the thread count (a clock read; a measurement twice a
-        second)."""
+    def linear(self, x: np.ndarray, weight) -> np.ndarray:
+        """x · Wᵀ by the compiled kernel (cpu_linear.py) or by the form the weight's plan
+        names for x's row count. Differs from the reference's x @ W.T only in float
+        rounding (the same products, another order). The NumPy forms ask the thread policy
+        for the thread count (a clock read; a measurement twice a second)."""
+        if self.compiled:
+            return weight(x)
         return weight(x, self.threads.threads())
 
     # ------------------------------------------------------- paged_attention
