@@ -97,7 +97,15 @@ class LLM:
         return llm
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        """The model's tokenizer as transformers loads it (vLLM's returns one, and code
+        written for vLLM may call any of its methods), loaded on first call; None for a
+        folder without one. The engine itself tokenizes with the same tokenizer.json read
+        straight through `tokenizers` (models/tokenizer.py): the same token ids."""
+        if self.llm_engine.tokenizer is None:
+            return None
+        from refserve.models.loader import load_hf_tokenizer
+
+        return load_hf_tokenizer(self.llm_engine.model_path)
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's `LLM.get_metrics()`: the metrics now, as Counter / Gauge / Histogram objects

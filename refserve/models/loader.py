@@ -179,20 +179,45 @@ def resolve_model_path(model: str | None, progress: bool = True) -> Path:
 
 
 def load_tokenizer(path: Path):
-    """The HF fast tokenizer of a model folder, or None when the folder has none (then only
-    token-id prompts are accepted). transformers works without torch for this.
+    """The tokenizer of a model folder, or None when the folder has none (then only
+    token-id prompts are accepted): a plain fast tokenizer read straight through
+    `tokenizers` (models/tokenizer.py, 0.2 s), any other through transformers' AutoTokenizer
+    (which works without torch).
 
-    Loaded once per folder and process (half a second each time otherwise): engines built
-    one after another, as the benches and tests do, share it. Nothing in refserve changes a
-    tokenizer after loading; a folder whose tokenizer files change is loaded again."""
-    files = (path / "tokenizer.json", path / "tokenizer_config.json")
-    stamps = tuple(f.stat().st_mtime_ns if f.is_file() else None for f in files)
+    Loaded once per folder and process: engines built one after another, as the benches and
+    tests do, share it. Nothing in refserve changes a tokenizer after loading; a folder
+    whose tokenizer files change is loaded again."""
+    stamps = _tokenizer_stamps(path)
     if stamps == (None, None):
         return None
     return _tokenizer_of(str(path.resolve()), stamps)
 
 
+def load_hf_tokenizer(path: Path):
+    """transformers' own tokenizer of a model folder (None without one), loaded once per
+    folder and process: what `LLM.get_tokenizer()` returns, as vLLM's does."""
+    stamps = _tokenizer_stamps(path)
+    if stamps == (None, None):
+        return None
+    return _hf_tokenizer_of(str(path.resolve()), stamps)
+
+
+def _tokenizer_stamps(path: Path) -> tuple:
+    files = (path / "tokenizer.json", path / "tokenizer_config.json")
+    return tuple(f.stat().st_mtime_ns if f.is_file() else None for f in files)
+
+
 @functools.lru_cache(maxsize=4)
 def _tokenizer_of(path: str, stamps: tuple) -> object:
+    from refserve.models.tokenizer import FastTokenizer, fast_tokenizer_config
+
+    config = fast_tokenizer_config(Path(path))
+    if config is not None:
+        return FastTokenizer(Path(path), config)
+    return _hf_tokenizer_of(path, stamps)
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_tokenizer_of(path: str, stamps: tuple) -> object:
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
