@@ -66,10 +66,13 @@ def test_linear_equals_the_reference_product(rows, form):
     expected = REFERENCE.linear(x, REFERENCE.prepare_weight(w))
     assert got.shape == expected.shape == (rows, 700) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    # The prepared weight gives W back, a view of what it stores (a tied embedding's rows).
+    # The prepared weight gives W back from what it stores (a tied embedding's rows), no
+    # second copy: a view (NumPy forms) or rows read from the packed panels (compiled).
     back = backend.weight_matrix(prepared)
-    np.testing.assert_array_equal(back, w)
-    assert np.shares_memory(back, prepared.data)
+    np.testing.assert_array_equal(np.asarray(back), w)
+    np.testing.assert_array_equal(back[np.array([0, 699, 5])], w[[0, 699, 5]])
+    stored = prepared.panels if backend.compiled else prepared.data
+    assert np.shares_memory(back.panels if backend.compiled else back, stored)
 
 
 # ------------------------------------------------------------------- paged_attention

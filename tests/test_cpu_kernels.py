@@ -34,7 +34,7 @@ if not compiled.available():
 
 from refserve.backends import cpu_fused  # noqa: E402  (needs numba: after the skip)
 from refserve.backends.cpu_exp import SMALLEST, exp32  # noqa: E402
-from refserve.backends.cpu_linear import CompiledWeight, linear_kernel  # noqa: E402
+from refserve.backends.cpu_linear import PANEL, PackedWeight, linear_kernel, pack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_exp32_is_exp_within_float32_rounding_over_the_normal_range():
 def test_the_compiled_linear_is_the_product_for_every_model_shape(shape, rows, seed):
     w = weight(shape)
     x = np.random.default_rng(seed).standard_normal((rows, shape[1]), dtype=np.float32)
-    assert_is_the_product(CompiledWeight(w)(x), w, x)
+    assert_is_the_product(PackedWeight(w)(x), w, x)
 
 
 @settings(deadline=None, max_examples=60)
@@ -83,16 +83,28 @@ def test_the_compiled_linear_is_the_product_for_odd_shapes(out, inner, rows, see
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((out, inner), dtype=np.float32)
     x = rng.standard_normal((rows, inner), dtype=np.float32)
-    assert_is_the_product(CompiledWeight(w)(x), w, x)
+    assert_is_the_product(PackedWeight(w)(x), w, x)
 
 
 def test_the_compiled_linear_takes_views_and_the_empty_product():
     w = weight((576, 576))
-    dense = CompiledWeight(w)
+    dense = PackedWeight(w)
     assert dense(np.zeros((0, 576), np.float32)).shape == (0, 576)
     x = np.random.default_rng(1).standard_normal((3, 1152), dtype=np.float32)[:, ::2]
     assert_is_the_product(dense(x), w, x)                  # a strided view of x
-    assert dense.out_in is dense.data and np.shares_memory(dense.out_in, dense.data)
+
+
+def test_the_packed_weight_keeps_its_rows_once():
+    """The panels hold W exactly (zero padding past `out`), and the rows a tied embedding
+    looks up are read from them: no second copy of the table."""
+    w = np.random.default_rng(3).standard_normal((PANEL + 5, 7), dtype=np.float32)
+    dense = PackedWeight(w)
+    assert dense.panels.shape == (2, 7, PANEL)
+    assert (dense.panels[1, :, 5:] == 0).all()
+    ids = np.array([0, 3, PANEL, PANEL + 4, 3])
+    np.testing.assert_array_equal(dense.rows[ids], w[ids])
+    np.testing.assert_array_equal(np.asarray(dense.rows), w)
+    assert dense.rows.panels is dense.panels and len(dense.rows) == PANEL + 5
 
 
 def test_the_bound_catches_a_kernel_that_skips_a_row_of_x():
@@ -100,7 +112,7 @@ def test_the_bound_catches_a_kernel_that_skips_a_row_of_x():
     w = weight((960, 576))
     x = np.random.default_rng(2).standard_normal((6, 576), dtype=np.float32)
     out = np.zeros((6, 960), dtype=np.float32)
-    linear_kernel(x[:5], w, out[:5])                       # row 5 never computed
+    linear_kernel(x[:5], pack(w), out[:5])                 # row 5 never computed
     with pytest.raises(AssertionError):
         assert_is_the_product(out, w, x)
 
@@ -279,7 +291,7 @@ def test_a_row_of_the_compiled_linear_does_not_depend_on_the_other_rows():
     speculation cannot change greedy output through rounding."""
     rng = np.random.default_rng(6)
     for shape in [(960, 576), (576, 1536), (37, 40)]:
-        dense = CompiledWeight(rng.standard_normal(shape, dtype=np.float32))
+        dense = PackedWeight(rng.standard_normal(shape, dtype=np.float32))
         x = rng.standard_normal((19, shape[1]), dtype=np.float32)
         full = dense(x)
         for rows in (1, 2, 3, 5, 8):

@@ -44,6 +44,7 @@ import numpy as np
 
 from refserve.backends.compiled import jit, prange
 from refserve.backends.cpu_exp import exp32
+from refserve.backends.cpu_simd import LANES, vfma, vload, vsplat, vstore, vsum, vzero
 
 MAX_QUERY_LEN = 8    # longer chunks (prefills) run as NumPy tiles over OpenBLAS (below)
 
@@ -62,48 +63,21 @@ def attention_tasks(query_start_loc: np.ndarray, max_query_len: int = MAX_QUERY_
 
 
 @jit(inline=True)
-def _scores(queries, k_cache, block, count, kv, t, h, scores, n):
-    """scores[t, h, n + i] = queries[t, h] · k_cache[block, i, kv] for i < count:
-    4 keys per pass over d where 4 remain (the query row loaded once for them)."""
-    i = 0
-    while i + 4 <= count:
-        s0 = s1 = s2 = s3 = np.float32(0)
-        for d in range(queries.shape[2]):
-            qd = queries[t, h, d]
-            s0 += qd * k_cache[block, i, kv, d]
-            s1 += qd * k_cache[block, i + 1, kv, d]
-            s2 += qd * k_cache[block, i + 2, kv, d]
-            s3 += qd * k_cache[block, i + 3, kv, d]
-        scores[t, h, n + i], scores[t, h, n + i + 1] = s0, s1
-        scores[t, h, n + i + 2], scores[t, h, n + i + 3] = s2, s3
-        i += 4
-    while i < count:
-        s = np.float32(0)
-        for d in range(queries.shape[2]):
-            s += queries[t, h, d] * k_cache[block, i, kv, d]
-        scores[t, h, n + i] = s
-        i += 1
+def _dot(a, i, b, j, vectors):
+    """a[i : i + n] · b[j : j + n] for n = vectors · LANES (flat arrays), by lanes."""
+    acc = vzero()
+    for v in range(vectors):
+        acc = vfma(vload(a, i + v * LANES), vload(b, j + v * LANES), acc)
+    return vsum(acc)
 
 
 @jit(inline=True)
-def _accumulate(acc, v_cache, block, count, kv, t, h, scores, n):
-    """acc[t, h] += Σ_i scores[t, h, n + i] · v_cache[block, i, kv] for i < count:
-    4 values per pass over d where 4 remain (acc loaded and stored once for them)."""
-    i = 0
-    while i + 4 <= count:
-        p0, p1 = scores[t, h, n + i], scores[t, h, n + i + 1]
-        p2, p3 = scores[t, h, n + i + 2], scores[t, h, n + i + 3]
-        for d in range(acc.shape[2]):
-            acc[t, h, d] += (p0 * v_cache[block, i, kv, d]
-                             + p1 * v_cache[block, i + 1, kv, d]
-                             + p2 * v_cache[block, i + 2, kv, d]
-                             + p3 * v_cache[block, i + 3, kv, d])
-        i += 4
-    while i < count:
-        p = scores[t, h, n + i]
-        for d in range(acc.shape[2]):
-            acc[t, h, d] += p * v_cache[block, i, kv, d]
-        i += 1
+def _axpy(p, b, j, acc, i, vectors):
+    """acc[i : i + n] += p · b[j : j + n] for n = vectors · LANES (flat arrays)."""
+    weight = vsplat(p)
+    for v in range(vectors):
+        at = i + v * LANES
+        vstore(acc, at, vfma(weight, vload(b, j + v * LANES), vload(acc, at)))
 
 
 @jit(parallel=True)
@@ -112,57 +86,55 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, quer
     """out[t, h] = softmax(q[t, h] · K[:p+1, kv]ᵀ · scale) · V[:p+1, kv] for every query
     token t of every task (module docstring), kv = h // G, p = t's position.
 
-    q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables
-    [S, max_blocks]; context_lens [S]; query_start_loc [S+1]; tasks [N, 3] from
-    `attention_tasks`; scale float32."""
+    q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D], all C-contiguous
+    float32 with D a multiple of LANES; block_tables [S, max_blocks]; context_lens [S];
+    query_start_loc [S+1]; tasks [N, 3] from `attention_tasks`; scale float32."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    group, vectors = num_heads // num_kv_heads, head_dim // LANES
+    keys, values = k_cache.reshape(-1), v_cache.reshape(-1)
     for task in prange(tasks.shape[0]):
         seq, t0, t1 = tasks[task, 0], tasks[task, 1], tasks[task, 2]
         tokens = t1 - t0
         # Token t0 + t sits at position first + t and sees keys 0 .. first + t.
         first = context_lens[seq] - (query_start_loc[seq + 1] - t0)
         num_keys = first + tokens                           # the task's last token's keys
-        queries = np.empty((tokens, num_heads, head_dim), dtype=np.float32)   # q · scale
+        rows = tokens * num_heads                           # row r = t · H + h
+        queries = (q[t0:t1] * scale).reshape(-1)            # [rows · D]
+        scores = np.empty((rows, num_keys), dtype=np.float32)
+        for n in range(num_keys):                           # pass 1: q · k
+            slot = block_tables[seq, n // block_size] * block_size + n % block_size
+            for kv in range(num_kv_heads):
+                at = (slot * num_kv_heads + kv) * head_dim
+                for t in range(tokens):
+                    if n <= first + t:
+                        for h in range(kv * group, (kv + 1) * group):
+                            r = t * num_heads + h
+                            scores[r, n] = _dot(queries, r * head_dim, keys, at, vectors)
+        total = np.empty(rows, dtype=np.float32)
+        for r in range(rows):                               # pass 2: softmax
+            visible = first + r // num_heads + 1
+            top = scores[r, 0]
+            for n in range(1, visible):
+                top = max(top, scores[r, n])
+            mass = np.float32(0)
+            for n in range(visible):
+                e = exp32(scores[r, n] - top)
+                scores[r, n] = e
+                mass += e
+            total[r] = mass
+        acc = np.zeros(rows * head_dim, dtype=np.float32)
+        for n in range(num_keys):                           # pass 3: p · v
+            slot = block_tables[seq, n // block_size] * block_size + n % block_size
+            for kv in range(num_kv_heads):
+                at = (slot * num_kv_heads + kv) * head_dim
+                for t in range(tokens):
+                    if n <= first + t:
+                        for h in range(kv * group, (kv + 1) * group):
+                            r = t * num_heads + h
+                            _axpy(scores[r, n], values, at, acc, r * head_dim, vectors)
         for t in range(tokens):
             for h in range(num_heads):
+                r = t * num_heads + h
                 for d in range(head_dim):
-                    queries[t, h, d] = q[t0 + t, h, d] * scale
-        scores = np.empty((tokens, num_heads, num_keys), dtype=np.float32)
-        for b in range((num_keys + block_size - 1) // block_size):      # pass 1: q · k
-            n = b * block_size
-            for t in range(tokens):
-                # Only the keys token t sees: a row's sums then run over its own keys in
-                # the same groups whatever else is in the task (decode and verify agree).
-                count = min(block_size, first + t + 1 - n)
-                for h in range(num_heads):
-                    if count > 0:
-                        _scores(queries, k_cache, block_tables[seq, b], count, h // group,
-                                t, h, scores, n)
-        total = np.empty((tokens, num_heads), dtype=np.float32)
-        for t in range(tokens):                                          # pass 2: softmax
-            visible = first + t + 1
-            for h in range(num_heads):
-                top = scores[t, h, 0]
-                for n in range(1, visible):
-                    top = max(top, scores[t, h, n])
-                mass = np.float32(0)
-                for n in range(visible):
-                    e = exp32(scores[t, h, n] - top)
-                    scores[t, h, n] = e
-                    mass += e
-                total[t, h] = mass
-        acc = np.zeros((tokens, num_heads, head_dim), dtype=np.float32)
-        for b in range((num_keys + block_size - 1) // block_size):      # pass 3: p · v
-            n = b * block_size
-            for t in range(tokens):
-                count = min(block_size, first + t + 1 - n)
-                for h in range(num_heads):
-                    if count > 0:
-                        _accumulate(acc, v_cache, block_tables[seq, b], count, h // group,
-                                    t, h, scores, n)
-        for t in range(tokens):
-            for h in range(num_heads):
-                for d in range(head_dim):
-                    out[t0 + t, h, d] = acc[t, h, d] / total[t, h]
+                    out[t0 + t, h, d] = acc[r * head_dim + d] / total[r]

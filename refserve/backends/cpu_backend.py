@@ -84,7 +84,7 @@ class CpuBackend(NumpyBackend):
 
             self._forward = fused_forward
 
-            self._weight = cpu_linear.CompiledWeight
+            self._weight = cpu_linear.PackedWeight
             self._kernels = cpu_attention_kernel
 
     def startup_note(self) -> str:
@@ -109,16 +109,18 @@ class CpuBackend(NumpyBackend):
     # ------------------------------------------------------------ dense products
 
     def prepare_weight(self, weight: np.ndarray):
-        """Compiled: W [out, in] made C-contiguous float32 once (cpu_linear.py). NumPy
+        """Compiled: W [out, in] packed into panels once (cpu_linear.py). NumPy
         forms: stored in the layout of its shape's plan (calibrated on first use of the
         shape, then cached per process): see few_row_matmul.py."""
         if self.compiled:
             return self._weight(weight)
         return DenseWeight(weight, self._plan)
 
-    def weight_matrix(self, weight) -> np.ndarray:
-        """W [out, in]: the stored array or a transposed view of it (never a copy)."""
-        return weight.out_in
+    def weight_matrix(self, weight):
+        """W [out, in]. Compiled: its rows read from the panels (cpu_linear.PackedRows:
+        `rows[ids]`, `np.asarray(rows)`); NumPy forms: the stored array or a transposed view
+        of it. Never a copy of the table."""
+        return weight.rows if self.compiled else weight.out_in
 
     def linear(self, x: np.ndarray, weight) -> np.ndarray:
         """x · Wᵀ by the compiled kernel (cpu_linear.py) or by the form the weight's plan
@@ -133,12 +135,15 @@ class CpuBackend(NumpyBackend):
 
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         attn: AttentionMetadata, scale: float) -> np.ndarray:
-        """q `[T, H, D]` -> out `[T, H, D]`, same dtype. See `Backend.paged_attention` and
-        cpu_attention.py: decode rows read their context through block views, merged by
-        online softmax; chunks gather theirs."""
+        """q `[T, H, D]` -> out `[T, H, D]`, same dtype. See `Backend.paged_attention`.
+        Compiled: decodes and verifies by cpu_attention_kernel.py, prefill chunks by
+        cpu_attention.py's tiles. NumPy forms (and a head size that is no whole number of
+        vectors, or a cache that is not one contiguous array): cpu_attention.py, decode rows
+        through block views merged by online softmax, chunks gathered."""
         # Cast once to q's dtype: a float64 scale would silently promote every score matrix.
         scale = q.dtype.type(scale)
-        if not self.compiled:
+        if not (self.compiled and q.shape[2] % self._kernels.LANES == 0
+                and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
             return self._attention(q, k_cache, v_cache, attn, scale)
         qsl = np.asarray(attn.query_start_loc)
         key = qsl.tobytes()
