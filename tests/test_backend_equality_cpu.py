@@ -54,13 +54,14 @@ def test_the_ops_it_tunes_are_its_own():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 17, 64, 65, 300])
-@pytest.mark.parametrize("form", [None, "plain", "chunked", "chunked2", "transposed"])
-def test_linear_equals_the_reference_product(rows, form):
-    """gemv (1 row), each few-row form (2-64) and sgemm (more), calibrated or forced."""
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_linear_equals_the_reference_product(rows, kernels):
+    """The compiled kernel (1, 2 and 4-row blocks, a partial panel: 700 = 10 panels of 64
+    and 60 rows) and the NumPy product, from a decode row to a prefill chunk."""
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((700, 96), dtype=np.float32)
     x = rng.standard_normal((rows, 96), dtype=np.float32)
-    backend = TUNED if form is None else CpuBackend(matmul=form)
+    backend = KERNELS[kernels]
     prepared = backend.prepare_weight(w)
     got = backend.linear(x, prepared)
     expected = REFERENCE.linear(x, REFERENCE.prepare_weight(w))

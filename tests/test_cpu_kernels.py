@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_backend_equality_cpu_matmul import MODEL_SHAPES, assert_is_the_product, weight
 
 from refserve.backends import compiled
 
@@ -37,6 +36,32 @@ from refserve.backends.cpu_exp import SMALLEST, exp32  # noqa: E402
 from refserve.backends.cpu_linear import PANEL, PackedWeight, linear_kernel, pack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# SmolLM2-135M (hidden 576, 9 heads and 3 KV heads of 64, intermediate 1536, vocab 49152):
+# q/k/v fused, o, gate/up fused, down, lm_head.
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+_weights: dict[tuple[int, int], np.ndarray] = {}
+
+
+def weight(shape) -> np.ndarray:
+    if shape not in _weights:
+        _weights[shape] = np.random.default_rng(len(_weights)).standard_normal(
+            shape, dtype=np.float32)
+    return _weights[shape]
+
+
+def assert_is_the_product(got, w, x):
+    """|got - x·Wᵀ| <= γ_n · (|x|·|W|ᵀ) + u·|x·Wᵀ| elementwise, γ_n = n·u / (1 - n·u), u the
+    float32 unit roundoff, n = in: the bound of any summation order of a float32 dot
+    product (Higham, Accuracy and Stability of Numerical Algorithms, 3.1), plus the final
+    rounding. A wrong row, block edge or transpose is off by O(|x|·|W|), far above it."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    ref = x64 @ w64.T
+    u, n = 2.0 ** -24, w.shape[1]
+    bound = n * u / (1 - n * u) * (np.abs(x64) @ np.abs(w64).T) + u * np.abs(ref)
+    assert got.shape == ref.shape
+    excess = np.abs(got - ref) - bound
+    assert excess.max() <= 0, f"off by up to {excess.max()} above the rounding bound"
 
 
 # ------------------------------------------------------------------------------ exp32
@@ -314,3 +339,26 @@ def test_a_token_attends_the_same_in_a_decode_and_in_a_verify_chunk():
         decode = paged_attention(backend, q[j:j + 1], k_cache, v_cache, tables,
                                  ctx - 4 + j, np.array([0, 1], np.int32), 0.125)
         np.testing.assert_array_equal(decode[0], verify[j])
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_same_on_compiled_numpy_and_reference_kernels(smollm2_dir,
+                                                                          monkeypatch):
+    """The real model, a batch of 4 (decode at 2-4 rows) with n-gram speculation (verify
+    passes of up to 4 x 5 rows): token-identical output on the compiled kernels, the
+    tuned backend's NumPy ones and the reference backend."""
+    from refserve import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "Repeat after me: one two three four, one two",
+               "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    outputs = {}
+    for kernels in ("compiled", "numpy", "reference"):
+        monkeypatch.setenv(compiled.ENV, "numpy" if kernels == "numpy" else "compiled")
+        llm = LLM(model=str(smollm2_dir), progress=False, speculative_config=spec,
+                  backend="numpy" if kernels == "reference" else "cpu")
+        outputs[kernels] = [o.outputs[0].token_ids
+                            for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert outputs["compiled"] == outputs["numpy"] == outputs["reference"]

@@ -5,13 +5,11 @@ REFSERVE_CPU_THREADS=N fixes N. Driven by a fake clock and fake counters: nothin
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
 
 from refserve.backends import CpuBackend
 from refserve.backends import cpu_threads as ct
-from refserve.backends.few_row_matmul import DenseWeight, fixed_plan
 
 
 class FakeMachine:
@@ -128,22 +126,3 @@ def test_the_engine_says_its_threads_at_start_up():
     assert kernels.startswith("kernels: ") and threads.startswith("threads: ")
     assert "REFSERVE_CPU_THREADS" in threads
     assert ct.thread_policy() is backend.threads is CpuBackend().threads   # one per process
-
-
-def test_the_two_thread_form_runs_alone_when_one_thread_is_free(monkeypatch):
-    """chunked2 at threads=1 is chunked: the same blocks in the same order, so bitwise the
-    same product, and no helper thread is asked."""
-    from refserve.backends import few_row_matmul
-
-    real = few_row_matmul._FUNCTIONS["chunked2"]
-    calls = []
-    monkeypatch.setitem(few_row_matmul._FUNCTIONS, "chunked2",
-                        lambda *a: calls.append(1) or real(*a))
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((3000, 333), dtype=np.float32)
-    x = rng.standard_normal((3, 333), dtype=np.float32)
-    two, one = DenseWeight(w, fixed_plan("chunked2")), DenseWeight(w, fixed_plan("chunked"))
-    np.testing.assert_array_equal(two(x, threads=1), one(x))
-    assert calls == []
-    np.testing.assert_array_equal(two(x, threads=2), one(x))
-    assert calls == [1]

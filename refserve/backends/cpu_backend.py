@@ -7,21 +7,23 @@ tokens of the real model identical on both.
 
 Compiled kernels (numba, compiled.py; what runs wherever numba loads):
 
-    linear           cpu_linear.py: tiles of weight rows, each streamed once per call for
-                     all rows of x, dot products by vector lanes. Differs from the
-                     reference's x @ W.T only in float rounding: the same products, summed
-                     in another order.
+    forward          cpu_forward.py: the reference's layers with RMSNorm and the residual
+                     add, RoPE and the KV write, SiLU-and-multiply each one compiled loop
+                     (cpu_fused.py).
+    linear           cpu_linear.py: the weight packed once into panels, each streamed from
+                     memory once per call for all rows of x. Differs from the reference's
+                     x @ W.T only in float rounding: the same products, summed in another
+                     order.
     paged_attention  cpu_attention_kernel.py: decodes and verifies (up to MAX_QUERY_LEN
                      query tokens) read K and V straight from the blocks their table names;
                      prefill chunks in NumPy query tiles over OpenBLAS (cpu_attention.py,
                      measured faster there). Float rounding only (scores and sums in
                      another order).
 
-NumPy forms (REFSERVE_CPU_KERNELS=numpy, or where numba cannot load; the start-up line
-says which and why):
+NumPy (REFSERVE_CPU_KERNELS=numpy, or where numba cannot load; the start-up line says which
+and why):
 
-    linear           the few-row product forms, one per weight shape, chosen by a short
-                     calibration when the weight is prepared (few_row_matmul.py).
+    linear           the reference's x @ W.T (one OpenBLAS gemv or sgemm).
     paged_attention  decode rows (q_len == 1) read their context through views of runs of
                      consecutive blocks, a run shared by several rows once for all of them,
                      partial softmaxes merged online; small leftovers gathered into one
@@ -50,7 +52,6 @@ from refserve.backends.base import AttentionMetadata
 from refserve.backends.cpu_attention import PagedAttention, chunk_attention
 from refserve.backends.cpu_sampling import dense_weights, sample_tokens
 from refserve.backends.cpu_threads import thread_policy
-from refserve.backends.few_row_matmul import DenseWeight, fixed_plan
 from refserve.backends.numpy_backend import NumpyBackend
 
 
@@ -59,13 +60,11 @@ class CpuBackend(NumpyBackend):
 
     name = "cpu"
 
-    def __init__(self, matmul: str | None = None, kernels: str | None = None) -> None:
+    def __init__(self, kernels: str | None = None) -> None:
         """`kernels`: "compiled" (numba's kernels, an error where numba cannot load),
         "numpy" (NumPy and OpenBLAS only) or None: REFSERVE_CPU_KERNELS, by default compiled
-        where numba loads (compiled.py). `matmul`, with NumPy kernels: one few-row form for
-        every weight (few_row_matmul.FORMS, e.g. "plain" to time the products as one gemv /
-        sgemm each); None: REFSERVE_MATMUL, else calibrated per weight shape."""
-        choice = kernels or ("numpy" if matmul is not None else compiled.setting())
+        where numba loads (compiled.py)."""
+        choice = kernels or compiled.setting()
         if choice not in compiled.CHOICES:
             raise ValueError(f"kernels={kernels!r}: choose one of "
                              f"{', '.join(compiled.CHOICES)}")
@@ -73,63 +72,55 @@ class CpuBackend(NumpyBackend):
             raise RuntimeError("compiled CPU kernels asked for, but "
                                f"{compiled.unavailable_reason()}")
         self.compiled = choice != "numpy" and compiled.available()
-        self._plan = None if matmul is None else fixed_plan(matmul)
         self._attention = PagedAttention()
         self.threads = thread_policy()  # one per process: BLAS threads are the process's
         self._tasks_key: bytes | None = None     # the step the attention tasks are for
-        self._tasks: np.ndarray | None = None
-        if self.compiled:
-            from refserve.backends import cpu_attention_kernel, cpu_linear
-            from refserve.backends.cpu_forward import fused_forward
+        self._tasks: tuple | None = None
+        if self.compiled:                        # numba is imported here, not at import
+            from refserve.backends import cpu_attention_kernel, cpu_forward, cpu_linear
 
-            self._forward = fused_forward
-
-            self._weight = cpu_linear.PackedWeight
-            self._kernels = cpu_attention_kernel
+            self._linear, self._kernels = cpu_linear, cpu_attention_kernel
+            self._forward = cpu_forward.fused_forward
 
     def startup_note(self) -> str:
         """The kernels and the threads, for the engine's start-up line."""
         if self.compiled:
-            kernels = "kernels: compiled (numba: linear)"
+            kernels = ("kernels: compiled (numba; linear over weights packed in panels of "
+                       f"{self._linear.PANEL}, paged decode attention, fused norms/RoPE/SiLU)")
         else:
             why = compiled.unavailable_reason() or f"{compiled.ENV}=numpy"
             kernels = f"kernels: NumPy ({why})"
         return f"{kernels} | {self.threads.describe()}"
 
     def forward(self, model, inputs, kv_caches) -> np.ndarray:
-        """Compiled: the fused forward of cpu_forward.py, with the kernels' threads set for
-        this step from the thread policy (numba's count is per calling thread: the
-        engine's). NumPy forms: the reference's forward."""
+        """One step on the thread policy's count of threads, asked once per step (a clock
+        read; a measurement twice a second) and set for OpenBLAS and for numba's parallel
+        loops (numba's count is per calling thread: the engine's). Compiled: the fused
+        forward of cpu_forward.py; NumPy: the reference's forward."""
+        threads = self.threads.threads()
         if not self.compiled:
             return super().forward(model, inputs, kv_caches)
-        compiled.set_threads(self.threads.threads())
+        compiled.set_threads(threads)
         return self._forward(model, inputs.input_ids, inputs.positions, inputs.attn, kv_caches,
                              inputs.logits_indices)
 
     # ------------------------------------------------------------ dense products
 
     def prepare_weight(self, weight: np.ndarray):
-        """Compiled: W [out, in] packed into panels once (cpu_linear.py). NumPy
-        forms: stored in the layout of its shape's plan (calibrated on first use of the
-        shape, then cached per process): see few_row_matmul.py."""
-        if self.compiled:
-            return self._weight(weight)
-        return DenseWeight(weight, self._plan)
+        """Compiled: W [out, in] packed into panels once (cpu_linear.PackedWeight). NumPy:
+        the reference's W as it is."""
+        return self._linear.PackedWeight(weight) if self.compiled else weight
 
     def weight_matrix(self, weight):
-        """W [out, in]. Compiled: its rows read from the panels (cpu_linear.PackedRows:
-        `rows[ids]`, `np.asarray(rows)`); NumPy forms: the stored array or a transposed view
-        of it. Never a copy of the table."""
-        return weight.rows if self.compiled else weight.out_in
+        """W [out, in], never a copy of the table. Compiled: its rows read from the panels
+        (cpu_linear.PackedRows: `rows[ids]`, `np.asarray(rows)`); NumPy: W itself."""
+        return weight.rows if self.compiled else weight
 
     def linear(self, x: np.ndarray, weight) -> np.ndarray:
-        """x · Wᵀ by the compiled kernel (cpu_linear.py) or by the form the weight's plan
-        names for x's row count. Differs from the reference's x @ W.T only in float
-        rounding (the same products, another order). The NumPy forms ask the thread policy
-        for the thread count (a clock read; a measurement twice a second)."""
-        if self.compiled:
-            return weight(x)
-        return weight(x, self.threads.threads())
+        """x · Wᵀ. Compiled: cpu_linear.py's kernel, which differs from the reference's
+        x @ W.T only in float rounding (the same products, summed in k order with fused
+        multiply-adds). NumPy: the reference's x @ W.T."""
+        return weight(x) if self.compiled else x @ weight.T
 
     # ------------------------------------------------------- paged_attention
 

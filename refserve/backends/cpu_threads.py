@@ -15,10 +15,10 @@ POLICY (`REFSERVE_CPU_THREADS`, default "auto"). Every INTERVAL seconds, from th
     threads = max(1, floor(free + 1 - FREE_SHARE))   (a CPU counts when FREE_SHARE of it
               is free), at most the CPUs of the mask
 
-and OpenBLAS runs on that many threads (threadpoolctl), the few-row forms' own helper thread
-(chunked2) only when it is 2 or more. Counters come from /proc/stat (Linux); where it cannot
-be read the policy keeps the mask's CPUs. Our own threads never count against us: the
-process's CPU time (os.times) is taken out of the busy time.
+and OpenBLAS runs on that many threads (threadpoolctl), and so do the compiled kernels'
+parallel loops (the backend sets numba's count at every step). Counters come from /proc/stat
+(Linux); where it cannot be read the policy keeps the mask's CPUs. Our own threads never
+count against us: the process's CPU time (os.times) is taken out of the busy time.
 
 `REFSERVE_CPU_THREADS=N` fixes N threads (N >= 1), with no measurement: what a benchmark
 that wants a fixed configuration sets. vLLM's CPU build takes another way to the same end:

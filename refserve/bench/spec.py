@@ -17,8 +17,8 @@ The systems run on --backend (default auto: the tuned CPU backend without a GPU;
 reference). Before the cells, the cost of a verify pass: a 5-row forward (1 + k with k = 4)
 over a 1-row forward of the target, batch 1, 64 tokens of context, both medians of 7
 interleaved wall-clock runs, with the products the model loaded with (the tuned backend:
-refserve/backends/few_row_matmul.py, calibrated forms for 2-64 rows), as one gemv / sgemm
-each (`REFSERVE_MATMUL=plain`), and on the NumPy reference backend (x @ W.T, plain
+refserve/backends/cpu_linear.py, weights packed in panels), as one gemv / sgemm each
+(`REFSERVE_CPU_KERNELS=numpy`), and on the NumPy reference backend (x @ W.T, plain
 attention); and the verify / plain pass ratio the adaptive rule measured at start-up, at
 batch 1 and at batch 8.
 """
@@ -105,15 +105,15 @@ def _run_interleaved(llms: dict, prompts, params, batch: int):
 
 
 def verify_pass_ratios(model, repeats: int = 7) -> dict | None:
-    """5-row / 1-row forward seconds of `model` as loaded, with every product one gemv /
-    sgemm (the tuned backend's plain form) and on the NumPy reference backend; None on a
-    device backend (a host clock cannot time it)."""
+    """5-row / 1-row forward seconds of `model` as loaded, on the tuned CPU backend's NumPy
+    kernels (each product one OpenBLAS gemv / sgemm) and on the NumPy reference backend;
+    None on a device backend (a host clock cannot time it)."""
     from refserve.backends import CpuBackend, NumpyBackend
 
     if model.xp is not np:
         return None
-    plain = cost_probe.with_backend(model, CpuBackend(matmul="plain"))
-    # The plain weights are [out, in] C-contiguous: the reference shares them.
+    plain = cost_probe.with_backend(model, CpuBackend(kernels="numpy"))
+    # The NumPy kernels keep W [out, in] as loaded: the reference shares them.
     variants = {"loaded": model, "plain": plain,
                 "reference": cost_probe.with_backend(plain, NumpyBackend())}
     names = list(variants)
@@ -152,9 +152,10 @@ def run(args) -> dict:
     if "loaded" in ratios:
         print(f"5-row / 1-row forward (batch 1): {ratios['loaded']:.2f}x on the {backend} "
               f"backend as loaded ({ratios['loaded_one_row_ms']:.1f} ms at 1 row), "
-              f"{ratios['plain']:.2f}x as one gemv / sgemm per product (REFSERVE_MATMUL=plain,"
-              f" {ratios['plain_one_row_ms']:.1f} ms), {ratios['reference']:.2f}x on the numpy "
-              f"reference ({ratios['reference_one_row_ms']:.1f} ms)", flush=True)
+              f"{ratios['plain']:.2f}x as one gemv / sgemm per product "
+              f"(REFSERVE_CPU_KERNELS=numpy, {ratios['plain_one_row_ms']:.1f} ms), "
+              f"{ratios['reference']:.2f}x on the numpy reference "
+              f"({ratios['reference_one_row_ms']:.1f} ms)", flush=True)
         for plan in ratios["plans"]:
             print(f"  {plan}")
     print(f"Adaptive rule's verify / plain pass at k = {args.k}: "

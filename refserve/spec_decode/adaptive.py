@@ -13,8 +13,8 @@ the case the rule prices (sequences of one workload tend to behave alike).
 In theory pass is flat for a few rows: a small-batch step is bound by reading the weights,
 which it reads once for all its rows. Measured, it is not quite, and how far depends on the
 BLAS kernel and the batch: a 5-row pass of SmolLM2-135M cost 3.2x a 1-row pass as one
-OpenBLAS sgemm with the SkylakeX kernel and 3.75x with Haswell, 1.5x and 2.5x with the
-few-row forms of the tuned CPU backend (refserve/backends/few_row_matmul.py; one thread,
+OpenBLAS sgemm with the SkylakeX kernel and 3.75x with Haswell, 1.2x with the tuned CPU
+backend's compiled kernel over packed weights (refserve/backends/cpu_linear.py; one thread,
 loaded machine); at 8 running, 5 rows each are 40 rows, past the bandwidth floor. So pass is
 measured when the engine starts (`calibrate`: the target's dense products at
 CALIBRATION_ROWS up to the step's token budget, 27 passes, about half a second for SmolLM2

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from refserve.model_runner import build_attention_metadata
+from refserve.model_runner import ModelInputs, build_attention_metadata
 
 
 def dense_weights(model, num_layers: int | None = None) -> list:
@@ -56,7 +56,8 @@ def dense_seconds(model, rows, repeats: int = 3) -> dict[int, list[float]] | Non
 
 def forward_seconds(model, num_seqs: int, query_len: int, context_len: int = 64,
                     repeats: int = 3, block_size: int = 16) -> list[float] | None:
-    """Wall-clock seconds of one whole forward, once per repeat: `num_seqs` sequences,
+    """Wall-clock seconds of one whole forward as the engine runs it (the backend's
+    `forward`), once per repeat: `num_seqs` sequences,
     each with `context_len` tokens already cached and `query_len` new ones (1: a decode
     row; 1 + k: a verify row with k drafts), logits for every query token. Runs on a
     private KV cache of just the blocks it needs (cache contents do not change the cost);
@@ -77,10 +78,14 @@ def forward_seconds(model, num_seqs: int, query_len: int, context_len: int = 64,
         slots, np.arange(num_seqs + 1, dtype=np.int32) * query_len,
         np.full(num_seqs, total, dtype=np.int32), tables, to_device=model.backend.to_device)
     ids = np.arange(len(positions), dtype=np.int64) % c.vocab_size
+    # The step as the engine runs it: through the backend's forward (a fused one, or a graph).
+    inputs = ModelInputs(ids, positions, slots, tables, attn.context_lens_cpu,
+                         attn.query_start_loc_cpu, np.arange(len(positions)),
+                         np.arange(num_seqs), attn)
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        model.forward(ids, positions, attn, caches, np.arange(len(positions)))
+        model.backend.forward(model, inputs, caches)
         out.append(time.perf_counter() - t0)
     return out
 
