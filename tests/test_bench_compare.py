@@ -129,3 +129,26 @@ def test_compare_two_refserves_end_to_end(tmp_path, smollm2_dir):
     assert len(ratios) == 3 and all(r["throughput_tok_s"] > 0 for r in ratios)
     assert any(n.startswith("refserve: refserve: ") for n in data["engine_notes"])
     assert all(len(data["load_average"][k]) == 3 for k in ("before", "after"))
+
+
+def test_in_process_takes_a_python_not_a_url(capsys):
+    assert main(["compare", "--quick", "--in-process", "--peer-url", "http://x:1"]) == 2
+    assert "--in-process" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_two_refserves_in_process(tmp_path, smollm2_dir):
+    """The offline control: each refserve's LLM.generate in a worker process of its own.
+    Both compute the same tokens on every workload; the decode workload's ms per token is
+    its seconds over its tokens."""
+    out = tmp_path / "compare.json"
+    assert main(["compare", "--quick", "--in-process", "--peer", "refserve",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["mode"] == "in-process" and data["engines"] == ["refserve", "refserve-peer"]
+    rows = data["rows"]
+    assert len(rows) == 6
+    for w in ("throughput", "decode", "shared-prefix"):
+        a, b = (r for r in rows if r["workload"] == w)
+        assert a["output_tokens"] == b["output_tokens"] > 0
+        assert a["ms_per_token"] == pytest.approx(1000 * a["seconds"] / a["output_tokens"])

@@ -163,6 +163,18 @@ def test_roofline_quick(tmp_path, smollm2_dir):
     assert all(r["seconds"] > 0 and r["intensity"] > 0 for r in rows)
     assert rows[0]["intensity"] > rows[2]["intensity"] > rows[1]["intensity"]
     assert rows[1]["bound"] == "bandwidth"
+    # A row per compiled kernel (the default CPU backend where numba loads) at 1 and 5 rows:
+    # the linear reads the weights once whatever the rows, so its flops grow and bytes not.
+    from refserve.backends import compiled
+
+    kernels = data["kernels"]
+    if compiled.available():
+        assert [(k["kernel"], k["rows"]) for k in kernels] == [
+            (name, m) for name in ("linear", "attention", "fused") for m in (1, 5)]
+        linear = [k for k in kernels if k["kernel"] == "linear"]
+        assert linear[1]["flops"] == 5 * linear[0]["flops"]
+        assert linear[1]["bytes"] == linear[0]["bytes"]
+        assert all(k["seconds"] > 0 and k["achieved_gb_per_s"] > 0 for k in kernels)
 
 
 @pytest.mark.slow

@@ -29,6 +29,10 @@ refserve:prefix_cache_hits). The summary is the median over rounds and refserve 
 What differs by design between the two servers is listed with the table (docs/benchmarks.md
 has it too): vLLM's CPU build uses KV blocks of 128 tokens, a token budget of 4096 per step,
 and binds its compute threads to all cores but one, which it leaves to its front end.
+
+`--in-process` runs the same workloads through each engine's offline API instead
+(`LLM.generate` in a worker process of its own, no HTTP: bench/offline.py): throughput,
+seconds and ms per output token; the served mode's difference from it is what HTTP costs.
 """
 
 from __future__ import annotations
@@ -88,6 +92,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-tokens", type=int, default=1000)
     p.add_argument("--prefix-output", type=int, default=32)
+    p.add_argument("--in-process", action="store_true",
+                   help="each engine's offline API (LLM.generate) in a worker process, no "
+                        "HTTP (--peer-python runs vLLM's; --peer-url does not apply)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds a server may take to answer /health (vLLM compiles first)")
 
@@ -213,7 +220,8 @@ def summarise(rows: list[dict], names: tuple[str, str]) -> list[dict]:
     (above 1: refserve faster) and of TPOT p50 (below 1: refserve faster)."""
     out = []
     keys = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-            "itl_p50_ms", "itl_p99_ms", "prefix_hit_tokens", "seconds")
+            "itl_p50_ms", "itl_p99_ms", "prefix_hit_tokens", "seconds", "ms_per_token",
+            "output_tokens")
     for workload in dict.fromkeys(r["workload"] for r in rows):
         per = {}
         for name in names:
@@ -226,7 +234,7 @@ def summarise(rows: list[dict], names: tuple[str, str]) -> list[dict]:
             out.append(med)
         a, b = per[names[0]], per[names[1]]
         ratio = {"workload": workload, "engine": f"{names[0]} / {names[1]}"}
-        for k in ("throughput_tok_s", "tpot_p50_ms", "ttft_p50_ms", "seconds"):
+        for k in ("throughput_tok_s", "tpot_p50_ms", "ttft_p50_ms", "seconds", "ms_per_token"):
             ratio[k] = a[k] / b[k] if a[k] and b[k] else None
         out.append(ratio)
     return out
@@ -240,9 +248,14 @@ COLUMNS = [("workload", "workload", ""), ("engine", "engine", ""),
            ("seconds", "s", ".1f")]
 
 
+OFFLINE_COLUMNS = [("workload", "workload", ""), ("engine", "engine", ""),
+                   ("output_tokens", "tokens", ".0f"), ("throughput_tok_s", "tok/s", ".1f"),
+                   ("ms_per_token", "ms/token", ".1f"), ("seconds", "s", ".2f")]
+
+
 RATIO_COLUMNS = [("workload", "workload", ""), ("throughput_tok_s", "tok/s", ".2f"),
                  ("tpot_p50_ms", "TPOT p50", ".2f"), ("ttft_p50_ms", "TTFT p50", ".2f"),
-                 ("seconds", "s", ".2f")]
+                 ("ms_per_token", "ms/token", ".2f"), ("seconds", "s", ".2f")]
 
 
 def _engine_notes(target) -> list[str]:
@@ -262,28 +275,39 @@ def run(args) -> dict:
     if args.peer_python and not Path(args.peer_python).exists():
         raise ValueError(f"--peer-python {args.peer_python}: no such file (make the vLLM "
                          "environment with scripts/make_vllm_env.sh)")
+    if args.in_process and args.peer_url:
+        raise ValueError("--in-process runs each engine's offline API; --peer-url names a "
+                         "server: give --peer-python instead")
     model_dir = _model_dir(args)
     vocab = _vocab_size(model_dir)
     rows: list[dict] = []
     load = {"before": os.getloadavg()}     # another job on the cores changes everything
     with ExitStack() as stack:
-        targets = _start(stack, args, model_dir)
+        if args.in_process:
+            from refserve.bench import offline
+
+            targets = offline.workers(stack, args, model_dir,
+                                      {"VLLM_CPU_KVCACHE_SPACE": str(args.peer_kv_cache_gib)})
+        else:
+            targets = _start(stack, args, model_dir)
+            for t in targets:
+                _warm_up(t)
         names = (targets[0].name, targets[1].name)
-        for t in targets:
-            _warm_up(t)
         for rnd in range(args.repeats):
             order = targets if rnd % 2 == 0 else targets[::-1]
             for workload in args.workloads:
                 reqs, concurrency = make_requests(workload, args, args.seed + rnd, vocab)
                 for t in order:
-                    rows.append(measure(t, workload, reqs, concurrency, rnd))
-        notes = [n for t in targets for n in _engine_notes(t)]
+                    rows.append(offline.measure(t, workload, reqs, rnd) if args.in_process
+                                else measure(t, workload, reqs, concurrency, rnd))
+        notes = [] if args.in_process else [n for t in targets for n in _engine_notes(t)]
     load["after"] = os.getloadavg()
     summary = summarise(rows, names)
+    columns = OFFLINE_COLUMNS if args.in_process else COLUMNS
     print("\nevery round:")
-    print_table(rows, [("round", "round", "d"), *COLUMNS])
+    print_table(rows, [("round", "round", "d"), *columns])
     print("\nmedian over rounds:")
-    print_table([r for r in summary if "rounds" in r], COLUMNS)
+    print_table([r for r in summary if "rounds" in r], columns)
     print(f"\n{names[0]} / {names[1]} (tok/s above 1, the times below 1: {names[0]} ahead):")
     print_table([r for r in summary if "rounds" not in r], RATIO_COLUMNS)
     print("\nhow each engine ran (from its log):")
@@ -295,7 +319,8 @@ def run(args) -> dict:
     print("every request finished" if not lost else
           f"UNFINISHED requests: {[(r['workload'], r['engine'], r.get('errors')) for r in lost]}")
     return {"rows": rows, "summary": summary, "engine_notes": notes,
-            "engines": list(names), "load_average": load}
+            "engines": list(names), "load_average": load,
+            "mode": "in-process" if args.in_process else "served"}
 
 
 def plot(result: dict, path: Path) -> None:

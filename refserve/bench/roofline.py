@@ -13,6 +13,9 @@ Per step, with T query tokens, S sampling rows and context lengths ctx_i (float3
             (every weight read once; every cached K/V read once; the new ones written)
 N_layers: parameters of the transformer layers; V H: the unembedding matrix. Timed: the
 model forward only (runner.time_in_forward), so scheduling is not counted.
+
+On the tuned CPU backend's compiled kernels, a row per kernel follows (linear, attention,
+the fused elementwise steps) at 1, 5, 16 and 64 rows: bench/kernel_rooflines.py.
 """
 
 from __future__ import annotations
@@ -141,8 +144,12 @@ def run(args) -> dict:
         rows.append({"step": f"decode batch {batch}", "tokens": batch, "seconds": t,
                      "flops": flops, "bytes": nbytes})
 
+    from refserve.bench.kernel_rooflines import kernel_rows
+
+    kernels = kernel_rows(engine.model, args.context,
+                          rows=(1, 5) if args.quick else (1, 5, 16, 64))
     ridge = ceil["peak_flops"] / ceil["bandwidth_bytes_per_s"]
-    for r in rows:
+    for r in rows + kernels:
         r["intensity"] = r["flops"] / r["bytes"]
         r["achieved_gflops"] = r["flops"] / r["seconds"] / 1e9
         r["achieved_gb_per_s"] = r["bytes"] / r["seconds"] / 1e9
@@ -159,7 +166,16 @@ def run(args) -> dict:
                        ("fraction_of_peak_flops", "of peak", ".0%"),
                        ("achieved_gb_per_s", "GB/s", ".1f"),
                        ("fraction_of_bandwidth", "of bandwidth", ".0%")])
-    return {"ceilings": ceil, "ridge_flop_per_byte": ridge, "model": costs, "rows": rows}
+    if kernels:
+        print(f"\nthe compiled kernels alone ({engine.backend.startup_note()}):")
+        print_table(kernels, [("kernel", "kernel", ""), ("rows", "rows", "d"),
+                              ("ms", "ms", ".2f"), ("bound", "bound by", ""),
+                              ("achieved_gflops", "GFLOP/s", ".1f"),
+                              ("fraction_of_peak_flops", "of peak", ".0%"),
+                              ("achieved_gb_per_s", "GB/s", ".1f"),
+                              ("fraction_of_bandwidth", "of bandwidth", ".0%")])
+    return {"ceilings": ceil, "ridge_flop_per_byte": ridge, "model": costs, "rows": rows,
+            "kernels": kernels}
 
 
 def plot(result: dict, path: Path) -> None:
