@@ -126,3 +126,21 @@ def test_the_engine_says_its_threads_at_start_up():
     assert kernels.startswith("kernels: ") and threads.startswith("threads: ")
     assert "REFSERVE_CPU_THREADS" in threads
     assert ct.thread_policy() is backend.threads is CpuBackend().threads   # one per process
+
+
+def test_openblas_is_set_from_the_main_thread_only_and_capped():
+    """A count change made on another thread (a server's engine thread) leaves OpenBLAS as
+    the main thread set it (OpenBLAS ignores it there and slows down); a cap applies at
+    once."""
+    import threading
+
+    policy = ct.ThreadPolicy(fixed=2)
+    assert blas_threads() == 2
+    other = threading.Thread(target=policy._set, args=(1,))
+    other.start()
+    other.join()
+    assert policy._count == 1 and blas_threads() == 2
+    policy.cap_blas(1)
+    assert blas_threads() == 1
+    policy._set(2)
+    assert blas_threads() == 1          # capped whatever the count

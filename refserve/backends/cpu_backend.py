@@ -79,6 +79,8 @@ class CpuBackend(NumpyBackend):
         if self.compiled:                        # numba is imported here, not at import
             from refserve.backends import cpu_attention_kernel, cpu_forward, cpu_linear
 
+            self.threads.cap_blas(1)             # here: only the main thread can set it
+
             self._linear, self._kernels = cpu_linear, cpu_attention_kernel
             self._forward = cpu_forward.fused_forward
 
@@ -95,8 +97,10 @@ class CpuBackend(NumpyBackend):
     def forward(self, model, inputs, kv_caches) -> np.ndarray:
         """One step on the thread policy's count of threads, asked once per step (a clock
         read; a measurement twice a second) and set for OpenBLAS and for numba's parallel
-        loops (numba's count is per calling thread: the engine's). Compiled: the fused
-        forward of cpu_forward.py; NumPy: the reference's forward."""
+        loops (numba's count is per calling thread: the engine's); with the compiled kernels
+        OpenBLAS stays on the one thread `__init__` capped it to
+        (cpu_threads.ThreadPolicy.cap_blas). Compiled: the fused forward of cpu_forward.py;
+        NumPy: the reference's forward."""
         threads = self.threads.threads()
         if not self.compiled:
             return super().forward(model, inputs, kv_caches)

@@ -15,8 +15,9 @@ POLICY (`REFSERVE_CPU_THREADS`, default "auto"). Every INTERVAL seconds, from th
     threads = max(1, floor(free + 1 - FREE_SHARE))   (a CPU counts when FREE_SHARE of it
               is free), at most the CPUs of the mask
 
-and OpenBLAS runs on that many threads (threadpoolctl), and so do the compiled kernels'
-parallel loops (the backend sets numba's count at every step). Counters come from /proc/stat
+and the compiled kernels' parallel loops run on that many threads (the backend sets numba's
+count at every step); OpenBLAS then stays on one (`cap_blas`: two pools of threads on the
+same cores starve each other). With the NumPy kernels OpenBLAS runs on that many. Counters come from /proc/stat
 (Linux); where it cannot be read the policy keeps the mask's CPUs. Our own threads never
 count against us: the process's CPU time (os.times) is taken out of the busy time.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 
 ENV = "REFSERVE_CPU_THREADS"
@@ -103,6 +105,8 @@ class ThreadPolicy:
         self._clock, self._busy, self._own = clock, busy, own
         self._blas = None  # threadpoolctl's BLAS controllers, found on first use
         self._count = 0
+        self.blas_cap: int | None = None     # at most this many BLAS threads (cap_blas)
+        self._blas_set: int | None = None    # the count last given to OpenBLAS
         self.free_cpus: float | None = None  # the last measurement (None: not measured)
         self.changes = 0                     # how often the count changed
         self._last = self._sample()
@@ -145,6 +149,24 @@ class ThreadPolicy:
         if self._count:
             self.changes += 1
         self._count = count
+        self._limit_blas()
+
+    def cap_blas(self, cap: int) -> None:
+        """OpenBLAS on at most `cap` threads from now on, whatever the count: the compiled
+        kernels run the count on numba's threads, and a second pool of threads spinning
+        beside them takes the cores from both (measured in the server: a prefill chunk's
+        NumPy attention took 23 ms a layer instead of under 1 ms)."""
+        self.blas_cap = cap
+        self._limit_blas()
+
+    def _limit_blas(self) -> None:
+        """Give OpenBLAS the count (capped), from the main thread only: a change made from
+        another thread did not apply and slowed its products 5-10x (measured, OpenBLAS
+        0.3.31), so a server's engine thread leaves OpenBLAS as the main thread set it."""
+        count = self._count if self.blas_cap is None else min(self._count, self.blas_cap)
+        if count == self._blas_set or threading.current_thread() is not threading.main_thread():
+            return
+        self._blas_set = count
         if self._blas is None:
             import numpy  # noqa: F401  (BLAS is loaded with NumPy: make sure it is there)
             from threadpoolctl import ThreadpoolController

@@ -139,6 +139,8 @@ def run(args) -> dict:
         for value in args.threads:
             if hasattr(backend, "threads"):  # a fresh policy sets BLAS's threads as it starts
                 backend.threads = thread_setting(value)
+                if getattr(backend, "compiled", False):    # numba's threads, BLAS on one
+                    backend.threads.cap_blas(1)
             workload = make_workload(args.num_requests, args.seed + r, vocab,
                                      mean_output=args.mean_output)
             for busy in ((False, True) if r % 2 == 0 else (True, False)):
