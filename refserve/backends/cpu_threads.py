@@ -17,9 +17,10 @@ POLICY (`REFSERVE_CPU_THREADS`, default "auto"). Every INTERVAL seconds, from th
 
 and the compiled kernels' parallel loops run on that many threads (the backend sets numba's
 count at every step); OpenBLAS then stays on one (`cap_blas`: two pools of threads on the
-same cores starve each other). With the NumPy kernels OpenBLAS runs on that many. Counters come from /proc/stat
-(Linux); where it cannot be read the policy keeps the mask's CPUs. Our own threads never
-count against us: the process's CPU time (os.times) is taken out of the busy time.
+same cores starve each other). With the NumPy kernels OpenBLAS runs on that many, set from
+the main thread only (`_limit_blas`). Counters come from /proc/stat (Linux); where it cannot
+be read the policy keeps the mask's CPUs. Our own threads never count against us: the
+process's CPU time (os.times) is taken out of the busy time.
 
 `REFSERVE_CPU_THREADS=N` fixes N threads (N >= 1), with no measurement: what a benchmark
 that wants a fixed configuration sets. vLLM's CPU build takes another way to the same end:
