@@ -24,6 +24,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_FOLDERS = ("refserve", "tests", "notebooks")
 GPU_ONLY = {"cupy", "cupyx"}  # the `gpu` extra (cupyx ships in cupy), imported behind a guard
+# Imported only by refserve/bench/offline_worker.py when vLLM's own environment runs it (bench
+# compare --in-process --peer-python): never refserve's dependency.
+PEER_ONLY = {"vllm"}
 # Needed without being imported: pytest's --nbmake in addopts, ruff in .ci/run.
 TOOLS = {"nbmake", "ruff", "pytest"}
 
@@ -90,7 +93,8 @@ def undeclared_imports(sources: dict[str, str], allowed: set[str], local: set[st
     missing: dict[str, list[str]] = {}
     for where, code in sources.items():
         for module in imported_modules(code):
-            if module in sys.stdlib_module_names or module in local or module in GPU_ONLY:
+            if module in sys.stdlib_module_names or module in local or module in GPU_ONLY \
+                    or module in PEER_ONLY:
                 continue
             dists = {normalize(d) for d in distributions.get(module, [module])}
             if not dists & allowed:
