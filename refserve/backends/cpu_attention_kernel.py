@@ -44,7 +44,7 @@ import numpy as np
 
 from refserve.backends.compiled import jit, prange
 from refserve.backends.cpu_exp import exp32
-from refserve.backends.cpu_simd import LANES, vfma, vload, vsplat, vstore, vsum, vzero
+from refserve.backends.cpu_simd import LANES, vadd, vfma, vload, vsplat, vstore, vsum, vzero
 
 MAX_QUERY_LEN = 8    # longer chunks (prefills) run as NumPy tiles over OpenBLAS (below)
 
@@ -64,11 +64,16 @@ def attention_tasks(query_start_loc: np.ndarray, max_query_len: int = MAX_QUERY_
 
 @jit(inline=True)
 def _dot(a, i, b, j, vectors):
-    """a[i : i + n] · b[j : j + n] for n = vectors · LANES (flat arrays), by lanes."""
-    acc = vzero()
-    for v in range(vectors):
-        acc = vfma(vload(a, i + v * LANES), vload(b, j + v * LANES), acc)
-    return vsum(acc)
+    """a[i : i + n] · b[j : j + n] for n = vectors · LANES (flat arrays), by lanes: two
+    running sums, so that consecutive multiply-adds do not wait for each other."""
+    even, odd = vzero(), vzero()
+    for v in range(0, vectors - 1, 2):
+        even = vfma(vload(a, i + v * LANES), vload(b, j + v * LANES), even)
+        odd = vfma(vload(a, i + (v + 1) * LANES), vload(b, j + (v + 1) * LANES), odd)
+    if vectors % 2:
+        v = vectors - 1
+        even = vfma(vload(a, i + v * LANES), vload(b, j + v * LANES), even)
+    return vsum(vadd(even, odd))
 
 
 @jit(inline=True)

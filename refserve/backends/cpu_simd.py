@@ -12,6 +12,7 @@ with explicit vectors, each a value the compiler keeps in a register:
     vload(a, i)          a[i : i + LANES] of a 1-D float32 array (unaligned is fine)
     vstore(a, i, v)      a[i : i + LANES] = v
     vfma(a, b, c)        a · b + c per lane, one rounding (fused multiply-add)
+    vadd(a, b)           a + b per lane
     vsum(v)              the sum of the lanes (pairwise: halves added, log2(LANES) steps)
 
 LANES is the CPU's widest float32 vector: 16 with AVX-512, 8 with AVX2 or AVX, 4 otherwise
@@ -119,3 +120,10 @@ def vsum(typingctx, vector):
             v = builder.fadd(v, builder.shuffle_vector(v, v, upper))
         return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
     return types.float32(float32xN), codegen
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    def codegen(context, builder, signature, args):
+        return builder.fadd(*args)
+    return float32xN(float32xN, float32xN), codegen
