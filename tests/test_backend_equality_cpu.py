@@ -3,7 +3,9 @@
 What equal means per op (elementwise |cpu - numpy| <= atol + rtol * |numpy| where not exact):
   write_kv, copy_blocks, swap_out/in, rejection_sample   the reference's own code: exact
   linear           within float32 rounding of a reordered dot product (the bound is in
-                   test_backend_equality_cpu_matmul.py, with the few-row forms themselves)
+                   test_cpu_kernels.py, with the compiled kernel itself)
+Every op is checked on both kinds of tuned kernels: compiled (numba) and NumPy (where numba
+cannot load).
   paged_attention  atol 1e-6, rtol 1e-5 (scores and sums in another order)
   sample           identical tokens for the same uniforms: the same min_p / top_k sets, the
                    same weights and the same float64 draw; the top_p mass is summed in

@@ -4,38 +4,43 @@ straight from the blocks its block table names.
 WHY. The reference gathers each sequence's context into one array per layer, then runs a
 softmax over it: over long contexts the copy is most of a decode step (16 decodes over 1,000
 keys copy 24 MB per layer, 30 layers a step). A compiled loop has no reason to copy: it
-follows the block table key by key, as vLLM's CPU kernel and FlashDecoding do, and a block
-that several rows share (a shared prefix) is read from the cache by each of them, where the
-first reader left it.
+follows the block table key by key, as vLLM's CPU kernel and FlashDecoding do.
 
 THE WORK. A task is one sequence of at most MAX_QUERY_LEN query tokens (a decode row is one
 token, a verify row 1 + k); tasks are split between the threads (prange). Its R = tokens x H
-query rows attend keys 0 .. its last token's position. Per task, with s = (q · scale) · k:
+query rows attend keys 0 .. its last token's position. Per task, with s = (q · scale) · k
+(cpu_simd.py's vectors: the head dimension must be a whole number of them):
 
-    pass 1   block by block through the block table (`block_tables[i, n // block_size]`
-             holds key n at offset `n % block_size`), every key read once for all R rows:
-             the scores, 4 keys per pass over the head dimension
-    pass 2   per row: m = max s, p = exp(s - m), l = Σ p (a stable softmax)
-    pass 3   block by block again, every value read once: o += p · v for the R rows,
-             4 values per pass; out = o / l
+    pass 1   key by key through the block table (`block_tables[i, n // block_size]`
+             holds key n at offset `n % block_size`), each key read once for all R rows:
+             the scores
+    pass 2   per row: m = max s, p = exp(s - m), l = Σ p (a stable softmax; exp by
+             cpu_exp.exp32, vectorised)
+    pass 3   key by key again, each value read once: o += p · v for the R rows;
+             out = o / l
 
 Each row runs over the keys up to its own position only (causal), so a token's sums are
 grouped and ordered the same in a decode as in a verify chunk: bitwise the same output.
 
-so K and V are read once per task, in block order (a block's slots of all kv heads are
+So K and V are read once per task, in block order (a block's slots of all kv heads are
 contiguous), and nothing the size of a context is written but the task's scores (R x keys
 floats, in cache). Longer chunks (prefills) run as the NumPy tiles of cpu_attention.py over
-OpenBLAS, which measured faster from 16 query tokens up (a float32 score is a dot product
-of 64 terms here, finished by a horizontal sum; OpenBLAS's sgemm runs a dozen queries per
-key at full width): one thread, SmolLM2 shapes, ms per layer, compiled / NumPy (load 5):
+OpenBLAS, which measured as fast from 16 query tokens up (a float32 score here is a dot
+product of 64 terms finished by a horizontal sum; OpenBLAS's sgemm runs many queries per key
+at full width). One thread, SmolLM2 shapes (9 heads, 3 kv heads of 64), blocks of 16, 8
+sequences over 200 keys each, ms per layer (load 3):
 
-    query tokens x sequences @ context     1x8@200   2x8@200   5x8@200   16x8@200
-    compiled                                 0.17      0.27      0.68      2.22
-    NumPy (views of block runs, tiles)       0.20      0.46      0.76      1.89
+    query tokens per sequence     1      2      5      8      16
+    compiled                    0.20   0.36   0.64   0.90   2.78
+    NumPy (views, tiles)        0.30   0.78   1.18   1.26   2.60
+
+A prefix several rows share is read from the cache by each of them (where the first left it,
+in cache); the NumPy forms read it once for all, as one matrix product, and are faster on
+one thread there: 16 decodes over a shared 1000-token prefix, 30 layers, 31 against 46 ms.
 
 EQUALITY. The reference's softmax(q · Kᵀ · scale + mask) · V in float32, the same products
 summed in another order (dot products by vector lanes, the sums key by key): within float32
-rounding (tests/test_backend_equality_cpu.py, attention cases).
+rounding (tests/test_backend_equality_cpu.py and test_backend_equality_cpu_attention.py).
 """
 
 from __future__ import annotations
