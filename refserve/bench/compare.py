@@ -328,10 +328,13 @@ def plot(result: dict, path: Path) -> None:
     summary = [r for r in result["summary"] if "rounds" in r]
     workloads = list(dict.fromkeys(r["workload"] for r in summary))
     engines = result["engines"]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
     panels = (("throughput_tok_s", "output tokens / s (higher is better)"),
               ("tpot_p50_ms", "TPOT p50, ms (lower is better)"),
               ("ttft_p50_ms", "TTFT p50, ms (lower is better)"))
+    if result.get("mode") == "in-process":       # no per-request times offline
+        panels = (("throughput_tok_s", "output tokens / s (higher is better)"),
+                  ("seconds", "seconds per workload (lower is better)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
     width = 0.8 / len(engines)
     for ax, (key, title) in zip(axes, panels):
         for j, engine in enumerate(engines):
