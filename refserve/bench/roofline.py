@@ -183,13 +183,20 @@ def plot(result: dict, path: Path) -> None:
     ceil = result["ceilings"]
     peak, bw = ceil["peak_flops"], ceil["bandwidth_bytes_per_s"]
     rows = result["rows"]
-    xs = np.logspace(np.log10(min(r["intensity"] for r in rows) / 4),
-                     np.log10(max(max(r["intensity"] for r in rows), result["ridge_flop_per_byte"])
-                              * 4), 200)
+    kernels = result.get("kernels") or []
+    everything = rows + kernels
+    xs = np.logspace(np.log10(min(r["intensity"] for r in everything) / 4),
+                     np.log10(max(max(r["intensity"] for r in everything),
+                                  result["ridge_flop_per_byte"]) * 4), 200)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.loglog(xs, np.minimum(peak, bw * xs) / 1e9, "k-", lw=1.5, label="roofline (measured)")
     for r in rows:
         ax.loglog(r["intensity"], r["achieved_gflops"], "o", ms=8, label=r["step"])
+    for name in dict.fromkeys(k["kernel"] for k in kernels):      # one line per kernel
+        mine = [k for k in kernels if k["kernel"] == name]
+        ax.loglog([k["intensity"] for k in mine], [k["achieved_gflops"] for k in mine],
+                  "x--", ms=6, lw=0.8,
+                  label=f"{name} kernel, {', '.join(str(k['rows']) for k in mine)} rows")
     ax.set_xlabel("arithmetic intensity (flop / byte)")
     ax.set_ylabel("GFLOP/s")
     ax.legend(fontsize=8)
