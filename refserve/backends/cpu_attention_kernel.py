@@ -90,6 +90,29 @@ def _axpy(p, b, j, acc, i, vectors):
         vstore(acc, at, vfma(weight, vload(b, j + v * LANES), vload(acc, at)))
 
 
+@jit(inline=True)
+def _walk(accumulate, cache, rows_flat, scores, table, block_size, num_kv_heads, group,
+          first, tokens, vectors):
+    """Every (key n, row r) pair of a task in key order, key n read from the flat cache
+    (`cache`, slot table[n // block_size] · block_size + n % block_size) once for the rows
+    that see it (token t sees keys 0 .. first + t; row r = t · H + h, h of kv head n's).
+    accumulate=False (pass 1): scores[r, n] = rows_flat[r] · k_n, rows_flat the queries;
+    accumulate=True (pass 3): rows_flat[r] += scores[r, n] · v_n, rows_flat the outputs."""
+    head_dim = vectors * LANES
+    num_heads = num_kv_heads * group
+    for n in range(first + tokens):
+        slot = table[n // block_size] * block_size + n % block_size
+        for kv in range(num_kv_heads):
+            at = (slot * num_kv_heads + kv) * head_dim
+            for t in range(max(0, n - first), tokens):
+                for h in range(kv * group, (kv + 1) * group):
+                    r = t * num_heads + h
+                    if accumulate:
+                        _axpy(scores[r, n], cache, at, rows_flat, r * head_dim, vectors)
+                    else:
+                        scores[r, n] = _dot(rows_flat, r * head_dim, cache, at, vectors)
+
+
 @jit(parallel=True)
 def paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            tasks, scale, out):
@@ -112,15 +135,8 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, quer
         rows = tokens * num_heads                           # row r = t · H + h
         queries = (q[t0:t1] * scale).reshape(-1)            # [rows · D]
         scores = np.empty((rows, num_keys), dtype=np.float32)
-        for n in range(num_keys):                           # pass 1: q · k
-            slot = block_tables[seq, n // block_size] * block_size + n % block_size
-            for kv in range(num_kv_heads):
-                at = (slot * num_kv_heads + kv) * head_dim
-                for t in range(tokens):
-                    if n <= first + t:
-                        for h in range(kv * group, (kv + 1) * group):
-                            r = t * num_heads + h
-                            scores[r, n] = _dot(queries, r * head_dim, keys, at, vectors)
+        _walk(False, keys, queries, scores, block_tables[seq], block_size, num_kv_heads,
+              group, first, tokens, vectors)                # pass 1: q · k
         total = np.empty(rows, dtype=np.float32)
         for r in range(rows):                               # pass 2: softmax
             visible = first + r // num_heads + 1
@@ -134,15 +150,8 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, quer
                 mass += e
             total[r] = mass
         acc = np.zeros(rows * head_dim, dtype=np.float32)
-        for n in range(num_keys):                           # pass 3: p · v
-            slot = block_tables[seq, n // block_size] * block_size + n % block_size
-            for kv in range(num_kv_heads):
-                at = (slot * num_kv_heads + kv) * head_dim
-                for t in range(tokens):
-                    if n <= first + t:
-                        for h in range(kv * group, (kv + 1) * group):
-                            r = t * num_heads + h
-                            _axpy(scores[r, n], values, at, acc, r * head_dim, vectors)
+        _walk(True, values, acc, scores, block_tables[seq], block_size, num_kv_heads,
+              group, first, tokens, vectors)                # pass 3: p · v
         for t in range(tokens):
             for h in range(num_heads):
                 r = t * num_heads + h

@@ -61,12 +61,8 @@ def _rows4(x, panels, out, m, t, width):
     """out rows m..m+3, panel t's PANEL columns (flat arrays; `width` out's row length)."""
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzero()
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = vzero()
-    inner = x.shape[1]
-    base = t * inner * PANEL
-    for k in range(inner):
-        p = base + k * PANEL
-        w0, w1 = vload(panels, p), vload(panels, p + LANES)
-        w2, w3 = vload(panels, p + 2 * LANES), vload(panels, p + 3 * LANES)
+    for k in range(x.shape[1]):
+        w0, w1, w2, w3 = _weights(panels, t, k, x.shape[1])
         x0, x1 = vsplat(x[m, k]), vsplat(x[m + 1, k])
         x2, x3 = vsplat(x[m + 2, k]), vsplat(x[m + 3, k])
         a00, a01, a02, a03 = _madd(w0, w1, w2, w3, x0, a00, a01, a02, a03)
@@ -83,12 +79,8 @@ def _rows4(x, panels, out, m, t, width):
 def _rows2(x, panels, out, m, t, width):
     """out rows m, m+1 of panel t."""
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzero()
-    inner = x.shape[1]
-    base = t * inner * PANEL
-    for k in range(inner):
-        p = base + k * PANEL
-        w0, w1 = vload(panels, p), vload(panels, p + LANES)
-        w2, w3 = vload(panels, p + 2 * LANES), vload(panels, p + 3 * LANES)
+    for k in range(x.shape[1]):
+        w0, w1, w2, w3 = _weights(panels, t, k, x.shape[1])
         x0, x1 = vsplat(x[m, k]), vsplat(x[m + 1, k])
         a00, a01, a02, a03 = _madd(w0, w1, w2, w3, x0, a00, a01, a02, a03)
         a10, a11, a12, a13 = _madd(w0, w1, w2, w3, x1, a10, a11, a12, a13)
@@ -100,14 +92,18 @@ def _rows2(x, panels, out, m, t, width):
 def _rows1(x, panels, out, m, t, width):
     """out row m of panel t."""
     a0 = a1 = a2 = a3 = vzero()
-    inner = x.shape[1]
-    base = t * inner * PANEL
-    for k in range(inner):
-        p = base + k * PANEL
-        w0, w1 = vload(panels, p), vload(panels, p + LANES)
-        w2, w3 = vload(panels, p + 2 * LANES), vload(panels, p + 3 * LANES)
+    for k in range(x.shape[1]):
+        w0, w1, w2, w3 = _weights(panels, t, k, x.shape[1])
         a0, a1, a2, a3 = _madd(w0, w1, w2, w3, vsplat(x[m, k]), a0, a1, a2, a3)
     _store(out, m * width + t * PANEL, a0, a1, a2, a3)
+
+
+@jit(inline=True)
+def _weights(panels, t, k, inner):
+    """Panel t's 4 vectors at input column k (flat panels, `inner` columns a panel)."""
+    p = (t * inner + k) * PANEL
+    return (vload(panels, p), vload(panels, p + LANES), vload(panels, p + 2 * LANES),
+            vload(panels, p + 3 * LANES))
 
 
 @jit(inline=True)

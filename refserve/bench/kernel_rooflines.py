@@ -27,7 +27,9 @@ ROWS = (1, 5, 16, 64)
 REPEATS = 5
 
 
-def _best(fn, repeats: int = REPEATS) -> float:
+def best_seconds(fn, repeats: int = REPEATS) -> float:
+    """The shortest of `repeats` timings of fn(), after one untimed call (page faults,
+    first-call costs)."""
     fn()
     times = []
     for _ in range(repeats):
@@ -54,7 +56,7 @@ def kernel_rows(model, context: int, rows=ROWS) -> list[dict]:
     for m in rows:
         xs = {k: rng.standard_normal((m, k), dtype=np.float32)
               for k in {w.shape[1] for w in weights}}
-        t = _best(lambda xs=xs: [backend.linear(xs[w.shape[1]], w) for w in weights])
+        t = best_seconds(lambda xs=xs: [backend.linear(xs[w.shape[1]], w) for w in weights])
         out.append({"kernel": "linear", "rows": m, "seconds": t, "flops": 2 * m * params,
                     "bytes": 4 * params})
 
@@ -85,7 +87,7 @@ def _attention(model, rows: int, context: int) -> dict:
                                     np.arange(rows + 1, dtype=np.int32),
                                     np.full(rows, context, dtype=np.int32), tables)
     q = rng.standard_normal((rows, c.num_attention_heads, c.head_dim), dtype=np.float32)
-    t = _best(lambda: [backend.paged_attention(q, k, v, attn, model.scale)
+    t = best_seconds(lambda: [backend.paged_attention(q, k, v, attn, model.scale)
                        for k, v in caches])
     layers, width = c.num_hidden_layers, c.num_attention_heads * c.head_dim
     kv_bytes = 2 * c.num_key_value_heads * c.head_dim * 4
@@ -118,6 +120,6 @@ def _fused(model, rows: int, rng) -> dict:
             cpu_fused.silu_mul(gate_up, act)
 
     touched = 4 * rows * (2 * 4 * hidden + 2 * (h + 2 * hkv) * d + 3 * inter)
-    return {"seconds": _best(layer_steps),
+    return {"seconds": best_seconds(layer_steps),
             "flops": c.num_hidden_layers * rows * (8 * hidden + 6 * (h + hkv) * d + 20 * inter),
             "bytes": c.num_hidden_layers * touched}

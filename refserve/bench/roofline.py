@@ -20,13 +20,13 @@ the fused elementwise steps) at 1, 5, 16 and 64 rows: bench/kernel_rooflines.py.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from refserve.bench.common import print_table, pyplot, save_figure
+from refserve.bench.kernel_rooflines import best_seconds, kernel_rows
 from refserve.sampling import SamplingParams
 
 HELP = "measured peak FLOP/s and bandwidth; prefill and decode steps on the roofline"
@@ -50,23 +50,13 @@ POSITIVE = ("matmul_n", "copy_mib", "prefill_tokens", "decode_batches", "context
             "decode_steps")
 
 
-def _best(fn, reps: int) -> float:
-    fn()  # warm-up: page faults, BLAS thread start
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def measure_ceilings(matmul_n: int, copy_mib: int) -> dict:
     a = np.random.default_rng(0).standard_normal((matmul_n, matmul_n), dtype=np.float32)
     b = a.T.copy()
-    t = _best(lambda: a @ b, 5)
+    t = best_seconds(lambda: a @ b, 5)
     src = np.ones(copy_mib * 2**20 // 4, dtype=np.float32)
     dst = np.empty_like(src)
-    tc = _best(lambda: np.copyto(dst, src), 5)
+    tc = best_seconds(lambda: np.copyto(dst, src), 5)
     return {"peak_flops": 2 * matmul_n**3 / t, "bandwidth_bytes_per_s": 2 * src.nbytes / tc,
             "matmul_n": matmul_n, "copy_bytes": src.nbytes}
 
@@ -90,6 +80,11 @@ def step_cost(costs: dict, q_lens: list[int], ctx_lens: list[int], sampled: int)
     nbytes = (4 * (costs["layer_params"] + costs["unembed_params"])
               + costs["kv_bytes_per_token"] * (sum(ctx_lens) + tokens))
     return flops, nbytes
+
+
+ACHIEVED = [("bound", "bound by", ""), ("achieved_gflops", "GFLOP/s", ".1f"),
+            ("fraction_of_peak_flops", "of peak", ".0%"), ("achieved_gb_per_s", "GB/s", ".1f"),
+            ("fraction_of_bandwidth", "of bandwidth", ".0%")]
 
 
 def _timed_forward(engine, fn) -> float:
@@ -144,8 +139,6 @@ def run(args) -> dict:
         rows.append({"step": f"decode batch {batch}", "tokens": batch, "seconds": t,
                      "flops": flops, "bytes": nbytes})
 
-    from refserve.bench.kernel_rooflines import kernel_rows
-
     kernels = kernel_rows(engine.model, args.context,
                           rows=(1, 5) if args.quick else (1, 5, 16, 64))
     ridge = ceil["peak_flops"] / ceil["bandwidth_bytes_per_s"]
@@ -161,19 +154,11 @@ def run(args) -> dict:
           f"bandwidth {ceil['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({args.copy_mib} MiB "
           f"copy), ridge at {ridge:.1f} flop/byte")
     print_table(rows, [("step", "step", ""), ("ms", "ms", ".1f"),
-                       ("intensity", "flop/byte", ".1f"), ("bound", "bound by", ""),
-                       ("achieved_gflops", "GFLOP/s", ".1f"),
-                       ("fraction_of_peak_flops", "of peak", ".0%"),
-                       ("achieved_gb_per_s", "GB/s", ".1f"),
-                       ("fraction_of_bandwidth", "of bandwidth", ".0%")])
+                       ("intensity", "flop/byte", ".1f"), *ACHIEVED])
     if kernels:
         print(f"\nthe compiled kernels alone ({engine.backend.startup_note()}):")
         print_table(kernels, [("kernel", "kernel", ""), ("rows", "rows", "d"),
-                              ("ms", "ms", ".2f"), ("bound", "bound by", ""),
-                              ("achieved_gflops", "GFLOP/s", ".1f"),
-                              ("fraction_of_peak_flops", "of peak", ".0%"),
-                              ("achieved_gb_per_s", "GB/s", ".1f"),
-                              ("fraction_of_bandwidth", "of bandwidth", ".0%")])
+                              ("ms", "ms", ".2f"), *ACHIEVED])
     return {"ceilings": ceil, "ridge_flop_per_byte": ridge, "model": costs, "rows": rows,
             "kernels": kernels}
 
