@@ -236,8 +236,8 @@ class Scheduler:
         (the radix tree's lookup may split a node and marks the hit path used)."""
         kv = self.kv_cache_manager
         admitting = seq.status is SequenceStatus.WAITING and not self._is_swapped_out(seq)
-        computed_blocks = kv.get_computed_blocks(seq)[0] if admitting else []
-        start = seq.num_computed_tokens + len(computed_blocks) * kv.block_size
+        computed_blocks, num_hit_tokens = kv.get_computed_blocks(seq) if admitting else ([], 0)
+        start = seq.num_computed_tokens + num_hit_tokens
         real_left = seq.num_tokens - start
         if 0 < self.long_prefill_token_threshold < budget:
             budget = self.long_prefill_token_threshold  # a long prefill leaves budget over
@@ -245,7 +245,8 @@ class Scheduler:
         num_scheduled_tokens = min(real_left, budget) + len(drafts)
         assert num_scheduled_tokens >= 1, f"{seq} has nothing left to compute"
         return RowPlan(start=start, num_scheduled_tokens=num_scheduled_tokens,
-                       computed_blocks=computed_blocks, drafts=drafts)
+                       computed_blocks=computed_blocks, num_hit_tokens=num_hit_tokens,
+                       drafts=drafts)
 
     def _allocate_admitted(self, seq: Sequence, plan: RowPlan, out: SchedulerOutput
                            ) -> list[tuple[int, int]] | None:
@@ -259,11 +260,10 @@ class Scheduler:
                  out: SchedulerOutput) -> None:
         """Record seq's row, its slots allocated. Its num_logits (output.py): the positions
         at or after the last real token, once the row reaches the end of token_ids + drafts."""
-        end = plan.start + plan.num_scheduled_tokens
         last = seq.num_tokens + len(plan.drafts)
-        num_logits = end - max(plan.start, seq.num_tokens - 1) if end == last else 0
+        num_logits = plan.end - max(plan.start, seq.num_tokens - 1) if plan.end == last else 0
         if seq.num_cached_tokens is None:  # vLLM's: the hit of the FIRST scheduling
-            seq.num_cached_tokens = len(plan.computed_blocks) * self.kv_cache_manager.block_size
+            seq.num_cached_tokens = plan.num_hit_tokens
         out.block_copies.extend(copies)
         out.scheduled.append(ScheduledSequence(
             seq=seq, start=plan.start, num_scheduled_tokens=plan.num_scheduled_tokens,
@@ -376,7 +376,7 @@ class Scheduler:
             for seq in [row.seq, *riders.get(row.seq.seq_id, [])]:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue  # aborted since schedule()
-                computed = row.start + row.num_scheduled_tokens
+                computed = row.end
                 status = None
                 if row.num_logits:
                     before = seq.num_output_tokens
