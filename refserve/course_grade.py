@@ -148,10 +148,10 @@ def build_hybrid(dest: Path, ref: Region, body: list[str], indent: str) -> Path:
 
 def plain_syntax_error(e: SyntaxError, ref: Region, student: Region, copy: Path) -> str:
     """The error at its line in the student's file (the hybrid's line moved back)."""
-    offset = (e.lineno or 0) - 1 - (ref.begin + 1)  # lines into the region body
+    offset = (e.lineno or 0) - 1 - ref.body_start  # lines into the region body
     where = copy / student.path
-    if 0 <= offset < student.end - student.begin - 1:
-        where = f"{where}:{student.begin + 2 + offset}"
+    if 0 <= offset < student.end - student.body_start:
+        where = f"{where}:{student.body_start + 1 + offset}"
     return f"SyntaxError: {e.msg} ({where})"
 
 

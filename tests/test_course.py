@@ -84,6 +84,23 @@ def test_blank_regions_keeps_markers_and_indentation():
                    "    # END EXERCISE\n")
 
 
+def test_a_hint_continues_on_its_marker_lines_and_stays_in_the_copy(tmp_path):
+    """`# ...` lines right after BEGIN continue the hint (what the region leaves defined):
+    they are part of the marker, so the stub replaces only the body below them."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    text = ("def f(x):\n    # BEGIN EXERCISE demo: add one\n    # ... leave y defined\n"
+            "    # ... (an int)\n    y = x + 1\n    # END EXERCISE\n    return y\n")
+    (package / "m.py").write_text(text)
+    (region,) = course.find_regions(package)
+    assert region.hint == "add one; leave y defined (an int)"
+    assert (region.begin, region.body_start, region.end) == (1, 4, 5)
+    assert course.blank_regions(text, [region]).splitlines()[1:6] == [
+        "    # BEGIN EXERCISE demo: add one", "    # ... leave y defined", "    # ... (an int)",
+        f"    raise NotImplementedError({'exercise demo: ' + region.hint!r})",
+        "    # END EXERCISE"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("# BEGIN EXERCISE a: x\npass\n", "without END"),
     ("pass\n# END EXERCISE\n", "without BEGIN"),
@@ -115,9 +132,9 @@ def test_student_copy_imports_and_every_region_is_blanked(tmp_path):
     assert sorted(blanked) == sorted(names)
     for r in blanked.values():
         lines = (dest / r.path).read_text().splitlines(keepends=True)
-        assert lines[r.begin + 1:r.end] == [r.stub()], (
+        assert lines[r.body_start:r.end] == [r.stub()], (
             f"exercise {r.name}: the copy's region must hold only the stub, got "
-            f"{lines[r.begin + 1:r.end]}")
+            f"{lines[r.body_start:r.end]}")
     for extra in ("tests/grading.py", "notebooks/build_notebooks.py", "pyproject.toml",
                   "EXERCISES.md"):
         assert (dest / extra).is_file(), f"the student copy lacks {extra}"
@@ -225,9 +242,9 @@ def test_the_hybrid_is_the_reference_but_for_the_one_region(tmp_path):
             assert text == path.read_text(), f"{rel} differs from the reference"
             continue
         ours, theirs = path.read_text().splitlines(), text.splitlines()
-        assert theirs[:reference.begin + 1] == ours[:reference.begin + 1]
-        assert theirs[reference.begin + 1] == body[0].rstrip("\n")
-        assert theirs[reference.begin + 2:] == ours[reference.end:]
+        assert theirs[:reference.body_start] == ours[:reference.body_start]
+        assert theirs[reference.body_start] == body[0].rstrip("\n")
+        assert theirs[reference.body_start + 1:] == ours[reference.end:]
 
 
 def test_a_region_that_does_not_compile_fails_its_row_and_says_where(tmp_path):
@@ -237,7 +254,8 @@ def test_a_region_that_does_not_compile_fails_its_row_and_says_where(tmp_path):
     (row,) = course_grade.grade(dest, ["blocks_for_tokens"])
     region = {r.name: r for r in find_regions(dest / "refserve")}["blocks_for_tokens"]
     assert row.status == "fail" and row.line.startswith("SyntaxError: ")
-    assert row.line.endswith(f"({dest.resolve() / region.path}:{region.begin + 3})"), row.line
+    assert row.line.endswith(f"({dest.resolve() / region.path}:{region.body_start + 2})"), \
+        row.line
 
 
 def test_an_exercise_that_hangs_fails_as_timed_out(tmp_path):

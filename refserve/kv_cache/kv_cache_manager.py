@@ -233,6 +233,7 @@ class KVCacheManager:
         copies: list[tuple[int, int]] = []
         for logical in cow:
             # BEGIN EXERCISE copy_on_write: private block for a shared one; drop a ref; (src, dst)
+            # ... table[logical] becomes the new block; append (old, new) to `copies`
             new_block = self._take_block()
             old_block = table.replace(logical, new_block)
             self.allocator.decref(old_block)  # ref count > 1: the others still hold it

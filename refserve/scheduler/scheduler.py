@@ -185,6 +185,7 @@ class Scheduler:
                     plan = self._plan_row(seq, budget)
                     continue
                 # BEGIN EXERCISE scheduler_preempt: preempt the NEWEST running sequence (maybe seq)
+                # ... self._preempt(victim, out); return budget when the victim is seq
                 victim = self.running[-1]  # the newest (priority: the least urgent)
                 if victim is seq and len(self.running) == 1:
                     raise RuntimeError(
@@ -208,6 +209,8 @@ class Scheduler:
         order = self.policy.order(queue, self.kv_cache_manager.prefix_match_length)
         admitted: list[Sequence] = []
         # BEGIN EXERCISE scheduler_admit: in `order` while seats, budget and blocks allow
+        # ... each admitted: its row (_add_row), RUNNING, in `admitted`, in `running` at
+        # ... policy.running_index, in out.admitted; seats_used and budget updated
         seats_used = self.num_seats_used
         for seq in order:
             if budget <= 0 or seats_used + seq.num_seats > self.max_num_seqs:
