@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from model_utils import prefill_logits, row, run_step, save_tiny_hf_model
+from model_utils import prefill_logits, row, run_step, save_numpy_llama
 
 from refserve.backends.attention_metadata import PAD_BLOCK
 from refserve.backends.numpy_backend import NumpyBackend
@@ -96,8 +96,7 @@ def test_verify_logits_equal_prefill_logits_and_come_back_in_row_order(tmp_path)
     """A verify row's k+1 logits are the logits of those positions (what a prefill of the
     same tokens gives), and a batch [verify, decode] returns them verify-first even though
     the decode runs first inside."""
-    folder, _ = save_tiny_hf_model(tmp_path, "llama", True, 2)
-    model = load_model(folder, NumpyBackend())
+    model = load_model(save_numpy_llama(tmp_path / "tiny"), NumpyBackend())
     rng = np.random.default_rng(5)
     a, b = rng.integers(3, 97, size=20).tolist(), rng.integers(3, 97, size=9).tolist()
     expect_a, _ = prefill_logits(model, a, block_size=4)

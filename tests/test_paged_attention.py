@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +34,8 @@ def paged_attention(backend, q, k_cache, v_cache, block_tables, context_lens, qu
 
 
 def dense_causal_attention(q, keys, values, scale):
-    """float64 reference for one sequence, written the slow obvious way.
+    """float64 reference for one sequence, written the slow obvious way (a loop over
+    queries; the heads of one query at once).
 
     q [q_len, H, D], keys/values [L, Hkv, D] (all L context keys, this chunk's included).
     Query j sits at position L - q_len + j and sees keys 0 ..= that position; head h reads
@@ -43,22 +43,23 @@ def dense_causal_attention(q, keys, values, scale):
     """
     q_len, num_heads, _ = q.shape
     context_len, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
+    kv_of_head = np.arange(num_heads) // (num_heads // num_kv_heads)
+    k_heads = keys.astype(np.float64)[:, kv_of_head]  # [L, H, D]: head h's keys
+    v_heads = values.astype(np.float64)[:, kv_of_head]
     out = np.zeros(q.shape, dtype=np.float64)
     for j in range(q_len):
         pos = context_len - q_len + j
-        for h in range(num_heads):
-            kv = h // group
-            k = keys[: pos + 1, kv].astype(np.float64)  # [pos+1, D]
-            v = values[: pos + 1, kv].astype(np.float64)
-            s = k @ q[j, h].astype(np.float64) * scale
-            p = np.exp(s - s.max())
-            out[j, h] = (p / p.sum()) @ v
+        k, v = k_heads[: pos + 1], v_heads[: pos + 1]  # keys 0 ..= pos, every head
+        s = np.einsum("lhd,hd->hl", k, q[j].astype(np.float64)) * scale  # [H, pos+1]
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[j] = np.einsum("hl,lhd->hd", p / p.sum(axis=1, keepdims=True), v)
     return out
 
 
 def torch_sdpa_attention(q, keys, values, scale):
     """The same attention through torch's scaled_dot_product_attention (explicit mask)."""
+    import torch
+
     q_len, num_heads, _ = q.shape
     context_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
@@ -233,8 +234,11 @@ def test_long_decode_batch_and_chunks_smollm_shapes(block_size):
     np.testing.assert_allclose(out, reference(q, logical, qsl, scale), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_reference_agrees_with_torch_sdpa():
-    """The test's own reference is checked against torch's fused attention."""
+    """The test's own reference is checked against torch's fused attention. It tests no
+    refserve code, and importing torch costs seconds: the full suite runs it, the course's
+    grade of the gather exercise does not."""
     rng = np.random.default_rng(0)
     for ctx, q_len, num_kv_heads, group in [(1, 1, 1, 1), (20, 7, 2, 3), (33, 33, 1, 8)]:
         q = rng.standard_normal((q_len, num_kv_heads * group, 16)).astype(np.float32)

@@ -321,6 +321,26 @@ def test_hit_below_a_recached_parent_block():
     manager.check_invariants()
 
 
+def test_blocks_after_a_hole_in_the_chain_are_no_hits():
+    """A cached block can outlive its parent block: b's block [5, 5] is chained on a's
+    keys, and a's blocks are evicted. A lookup stops at the first miss, so that block is
+    no hit for [1, 1, 2, 2, 5, 5, 8]: its K/V follow tokens no cached block holds now."""
+    bs = 2
+    manager = KVCacheManager(num_blocks=9, block_size=bs)
+    a = make_seq([1, 1, 2, 2, 3])
+    b = make_seq([1, 1, 2, 2, 5, 5, 6])
+    for seq in (a, b):  # admitted in the same step: b's first two blocks duplicate a's
+        manager.allocate_slots(seq, seq.num_tokens)
+    for seq in (a, b):
+        seq.num_computed_tokens = seq.num_tokens
+        manager.cache_full_blocks(seq)
+    manager.release(a)
+    filler = make_seq([9] * 10)  # takes every available block: a's cached ones are evicted
+    manager.allocate_slots(filler, filler.num_tokens)
+    hits, _ = manager.get_computed_blocks(make_seq([1, 1, 2, 2, 5, 5, 8]))
+    assert hits == [], f"blocks 0 and 1 miss, so nothing after them is a hit; got {hits}"
+
+
 def hash_chain_problems(keys) -> list[str]:
     """What is wrong with the hashes of a chain of keys (block 0 first): each must be
     hash_block(parent's hash, its tokens), and no two may be equal (the chain repeats the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from model_utils import LetterTokenizer
+from model_utils import LetterTokenizer, save_numpy_llama
 
 from refserve import LLM, SamplingParams
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -164,10 +164,9 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random Llama whose greedy output is varied (tests/tiny_text_model.py)."""
-    from tiny_text_model import save_tiny_text_model
-
-    return save_tiny_text_model(tmp_path_factory.mktemp("stops"))
+    """A tiny random Llama whose greedy output is varied (written with NumPy: no torch)."""
+    return save_numpy_llama(tmp_path_factory.mktemp("stops"), vocab_size=320,
+                            hidden_size=32, intermediate_size=64, init_std=0.3)
 
 
 def letter_llm(folder, k: int | None = None, continuation=None):
@@ -274,9 +273,8 @@ def test_no_drafts_are_proposed_before_min_tokens(tiny, plain_tokens):
 # ---- the text the stop strings read ----------------------------------------------------
 
 
-def test_stop_string_completed_by_the_last_token(tiny_llama):
-    llm = LLM(model=str(tiny_llama), progress=False, block_size=4,
-              num_gpu_blocks_override=256)
+def test_stop_string_completed_by_the_last_token(tiny):
+    llm = LLM(model=str(tiny), progress=False, block_size=4, num_gpu_blocks_override=256)
     llm.llm_engine.tokenizer = LetterTokenizer()
     for seed in range(50):  # a seeded run whose last two letters occur only at the end
         params = SamplingParams(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)

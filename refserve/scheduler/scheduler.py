@@ -324,8 +324,10 @@ class Scheduler:
         out.num_batched_tokens = sum(row.num_scheduled_tokens
                                      for row in out.scheduled + out.padding)
         out.num_seats_used = self.num_seats_used
-        assert out.num_batched_tokens <= out.max_num_batched_tokens
-        assert out.num_seats_used <= out.max_num_seqs
+        assert out.num_batched_tokens <= out.max_num_batched_tokens, \
+            f"{out.num_batched_tokens} tokens over the budget {out.max_num_batched_tokens}"
+        assert out.num_seats_used <= out.max_num_seqs, \
+            f"{out.num_seats_used} seats used, max_num_seqs {out.max_num_seqs}"
         self.slot_steps_used += len(out.scheduled)
         self.slot_steps_wasted += len(out.padding)
         self.num_steps += 1
