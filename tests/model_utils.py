@@ -87,13 +87,18 @@ def hf_logits(hf_model, token_ids) -> np.ndarray:
 
 
 def row(token_ids, start, num_scheduled_tokens, block_ids, num_logits=1, draft_token_ids=()):
-    """A scheduled row as the runner reads it (duck-typed `ScheduledSequence`): the sequence
-    holds `token_ids`, the row computes [start, start + num_scheduled_tokens) of token_ids +
-    drafts."""
-    seq = SimpleNamespace(token_ids=list(token_ids), num_computed_tokens=start)
-    return SimpleNamespace(seq=seq, start=start, num_scheduled_tokens=num_scheduled_tokens,
-                           block_ids=list(block_ids), num_logits=num_logits,
-                           draft_token_ids=tuple(draft_token_ids))
+    """A scheduled row as the runner reads it: a `ScheduledSequence` whose sequence holds
+    `token_ids` (as its prompt, `start` of them computed) and computes [start, start +
+    num_scheduled_tokens) of token_ids + drafts."""
+    from refserve.sampling_params import SamplingParams
+    from refserve.scheduler.output import ScheduledSequence
+    from refserve.sequence import Sequence
+
+    seq = Sequence("r", list(token_ids), SamplingParams())
+    seq.num_computed_tokens = start
+    return ScheduledSequence(seq=seq, start=start, num_scheduled_tokens=num_scheduled_tokens,
+                             num_logits=num_logits, block_ids=list(block_ids),
+                             draft_token_ids=tuple(draft_token_ids))
 
 
 def run_step(runner, rows, block_copies=()):

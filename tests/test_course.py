@@ -201,7 +201,7 @@ def test_one_correct_one_wrong_one_blank_exercise_each_reads_on_its_own_row(tmp_
     proc = subprocess.run([sys.executable, "-m", "refserve.course", "grade", str(dest),
                            *(f"--exercise={n}" for n in names), "--grade-json",
                            str(tmp_path / "g.json"), "-v"],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "g.json").read_text())["exercises"]
@@ -218,14 +218,52 @@ def test_one_correct_one_wrong_one_blank_exercise_each_reads_on_its_own_row(tmp_
     assert wrong["failed_test"].split("::")[1] in report
     assert "---- append_rule:" not in proc.stdout
     assert rows["blocks_for_tokens"]["status"] == "not done yet"
+    # The row says where the first failure is and what passed before it.
+    assert wrong["failed_at"] == wrong["passed"] + 1 and wrong["failed"] == 1
+    assert (f"{'allocator_decref':<24}{'allocator':<17}{'-':>7}  FAIL at test "
+            f"{wrong['failed_at']} of {wrong['selected']} ({wrong['passed']} passed before it)"
+            ) in proc.stdout.splitlines()
     # One exercise alone on 2 cores: its tests split in two processes, and the failure
-    # reported is still the first in collection order.
+    # reported is still the first in collection order, with the same counts.
     (sharded,) = course_grade.grade(dest, ["allocator_decref"], jobs=2)
-    assert (sharded.failed_test, sharded.line) == (wrong["failed_test"], wrong["line"])
+    assert (sharded.failed_test, sharded.line, sharded.failed_at, sharded.passed,
+            sharded.selected) == (wrong["failed_test"], wrong["line"], wrong["failed_at"],
+                                  wrong["passed"], wrong["selected"])
     # This checkout graded the same way: its own regions pass.
     (row,) = course_grade.grade(None, ["append_rule"])
     assert row.status == "pass" and row.command == course_grade.grade_command(None,
                                                                               "append_rule")
+
+
+def test_a_failing_row_counts_what_ran_before_its_first_failure_however_split(tmp_path):
+    """Each shard stops at its own first failure; the row counts the tests before the first
+    failure overall, which every shard ran, so one split or two read the same."""
+    def record(path, events):
+        path.write_text("".join(json.dumps(e) + "\n" for e in events))
+        return path
+
+    def test(index, outcome):
+        return {"test": f"t.py::t{index}", "index": index, "outcome": outcome,
+                "line": f"AssertionError: t{index}" if outcome == "failed" else "",
+                "not_done": []}
+
+    two = [record(tmp_path / "a.jsonl", [{"selected": 3}, test(0, "passed"),
+                                         test(2, "skipped"), test(4, "failed")]),
+           record(tmp_path / "b.jsonl", [{"selected": 3}, test(1, "passed"),
+                                         test(3, "failed")])]
+    one = [record(tmp_path / "c.jsonl", [{"selected": 6}, test(0, "passed"),
+                                         test(1, "passed"), test(2, "skipped"),
+                                         test(3, "failed")])]
+    rows = []
+    for records in (two, one):
+        row = course_grade.Row("demo", "capacity")
+        course_grade.read_records(records, row, "demo")
+        rows.append(row)
+        assert (row.failed_at, row.passed, row.skipped, row.failed, row.selected) == \
+            (4, 2, 1, 1, 6)
+        assert row.failed_test == "t.py::t3" and row.line == "AssertionError: t3"
+        assert row.shown_status(60) == "FAIL at test 4 of 6 (2 passed, 1 skipped before it)"
+    assert course_grade.format_table(rows[:1], 60)[1].split()[2] == "-"
 
 
 def test_the_hybrid_is_the_reference_but_for_the_one_region(tmp_path):

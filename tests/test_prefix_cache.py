@@ -247,6 +247,17 @@ def test_fork_then_child_write_in_shared_partial_block_copies_once():
     assert manager.get_block_ids(parent.seq_id) == parent_blocks
 
 
+def test_kv_cache_demo_fork_prints_the_one_cow_copy_warmup_quotes(capsys):
+    """`python -m refserve.kv_cache.demo kv_cache_manager` (WARMUP quotes it): a forked
+    sequence's write into a shared block makes one copy-on-write."""
+    from refserve.kv_cache import demo
+
+    assert demo.main(["kv_cache_manager"]) == 0
+    text = capsys.readouterr().out
+    assert "c writes position 10 -> copies [(2, 4)]" in text, text
+    assert "2: [0, 1, 4]" in text, text
+
+
 def test_fork_write_into_fresh_block_needs_no_copy():
     manager = KVCacheManager(num_blocks=8, block_size=BS)
     parent = make_seq(list(range(2 * BS)))  # exactly full: next token opens a new block
