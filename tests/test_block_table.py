@@ -56,8 +56,10 @@ def test_replace_truncate_and_copy():
     assert table.block_ids == [7, 11, 9]
     copy = table.copy()
     copy.append(3)
-    assert len(table) == 3 and len(copy) == 4
-    assert copy.truncate(1) == [11, 9, 3] and copy.block_ids == [7]
+    assert len(table) == 3, "the original keeps its 3 blocks"
+    assert len(copy) == 4, "the copy has its own appended block"
+    assert copy.truncate(1) == [11, 9, 3], "truncate(1) returns the blocks it drops"
+    assert copy.block_ids == [7], "truncate(1) keeps one block"
     assert table.block_ids == [7, 11, 9]
     ids = table.block_ids
     ids.append(5)                       # a copy: the table is unchanged

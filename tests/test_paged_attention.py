@@ -20,6 +20,8 @@ from refserve.backends.numpy_backend import NumpyBackend
 from refserve.model_runner import build_attention_metadata
 
 BACKEND = NumpyBackend()
+DENSE = ("paged attention over the block table must equal dense causal attention over the "
+         "same keys")
 
 
 def paged_attention(backend, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -190,9 +192,10 @@ def test_paged_attention_matches_dense_causal_reference(case):
     )
     scale = 1.0 / np.sqrt(case["head_dim"])
     out = paged_attention(BACKEND, q, k_cache, v_cache, tables, ctx, qsl, scale)
-    assert out.shape == q.shape
-    assert out.dtype == np.float32
-    np.testing.assert_allclose(out, reference(q, logical, qsl, scale), rtol=1e-5, atol=1e-6)
+    assert out.shape == q.shape, f"output shape {out.shape}, queries {q.shape}"
+    assert out.dtype == np.float32, f"output dtype {out.dtype}"
+    np.testing.assert_allclose(out, reference(q, logical, qsl, scale), rtol=1e-5, atol=1e-6,
+                               err_msg=DENSE)
 
 
 @settings(max_examples=25, deadline=None)
@@ -213,7 +216,9 @@ def test_contiguous_cache_equals_paged(case):
     paged = paged_attention(BACKEND, q, k_cache, v_cache, tables, ctx, qsl, scale)
     kc, vc, contiguous_tables = contiguous_copy(logical, int(ctx.max()) + 5, rng)
     contiguous = paged_attention(BACKEND, q, kc, vc, contiguous_tables, ctx, qsl, scale)
-    np.testing.assert_allclose(contiguous, paged, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(contiguous, paged, rtol=1e-5, atol=1e-6, err_msg=(
+        "the contiguous cache (one block of max_len per sequence) must give what the paged "
+        "cache gives"))
 
 
 @pytest.mark.parametrize("block_size", [16, 2048])
@@ -230,8 +235,9 @@ def test_long_decode_batch_and_chunks_smollm_shapes(block_size):
         q, k_cache, v_cache, tables, ctx, qsl, logical = build_batch(rng, 16, 3, 3, 64, chunks)
     scale = np.float32(1 / 8)
     out = paged_attention(BACKEND, q, k_cache, v_cache, tables, ctx, qsl, scale)
-    assert out.dtype == np.float32
-    np.testing.assert_allclose(out, reference(q, logical, qsl, scale), rtol=1e-5, atol=1e-6)
+    assert out.dtype == np.float32, f"output dtype {out.dtype}"
+    np.testing.assert_allclose(out, reference(q, logical, qsl, scale), rtol=1e-5, atol=1e-6,
+                               err_msg=DENSE)
 
 
 @pytest.mark.slow
@@ -269,5 +275,6 @@ def test_large_scores_are_stable():
     q, k_cache, v_cache, tables, ctx, qsl, logical = build_batch(rng, 4, 1, 2, 8, [(9, 1), (9, 4)])
     q *= 300.0
     out = paged_attention(BACKEND, q, k_cache, v_cache, tables, ctx, qsl, 1.0)
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, reference(q, logical, qsl, 1.0), rtol=1e-5, atol=1e-5)
+    assert np.isfinite(out).all(), "large scores must not overflow the softmax"
+    np.testing.assert_allclose(out, reference(q, logical, qsl, 1.0), rtol=1e-5, atol=1e-5,
+                               err_msg=DENSE)
