@@ -26,7 +26,7 @@ that catch a mistake in it. Its selection is those files, `-m "<mechanism> and n
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -101,21 +101,6 @@ class Region:
         return body == [self.stub().strip()]
 
 
-@dataclass
-class _Open:
-    """A region whose BEGIN line was read and whose END was not yet."""
-
-    begin: int
-    name: str
-    indent: str
-    hint: str
-    hint_lines: int = 0
-
-    @property
-    def body_start(self) -> int:
-        return self.begin + 1 + self.hint_lines
-
-
 def find_regions(package_dir: Path = PACKAGE_DIR) -> list[Region]:
     """Every exercise region under `package_dir`, in file then line order. Raises ValueError
     on a BEGIN without END (or the reverse), a nested BEGIN, or a name used twice."""
@@ -125,14 +110,14 @@ def find_regions(package_dir: Path = PACKAGE_DIR) -> list[Region]:
             continue
         rel = path.relative_to(package_dir.parent)
         lines = path.read_text().splitlines(keepends=True)
-        open_at: _Open | None = None
+        open_at: Region | None = None  # BEGIN read, END not yet (its `end` unknown: -1)
         for i, line in enumerate(lines):
             if open_at is not None and open_at.body_start == i and (
                     more := HINT_MORE.match(line)):
                 # The first continuation is a new clause, later ones continue its sentence.
                 sep = "; " if open_at.hint_lines == 0 and open_at.hint else " "
-                open_at.hint += sep + more["more"]
-                open_at.hint_lines += 1
+                open_at = replace(open_at, hint=open_at.hint + sep + more["more"],
+                                  hint_lines=open_at.hint_lines + 1)
                 continue
             match = BEGIN.match(line)
             if line.lstrip().startswith("# BEGIN EXERCISE") and match is None:
@@ -142,12 +127,12 @@ def find_regions(package_dir: Path = PACKAGE_DIR) -> list[Region]:
                 if open_at is not None:
                     raise ValueError(f"{rel}:{i + 1}: BEGIN EXERCISE inside the region opened "
                                      f"at line {open_at.begin + 1}")
-                open_at = _Open(i, match["name"], match["indent"], match["hint"] or "")
+                open_at = Region(match["name"], match["hint"] or "", rel, i, -1,
+                                 match["indent"])
             elif END.match(line):
                 if open_at is None:
                     raise ValueError(f"{rel}:{i + 1}: END EXERCISE without BEGIN")
-                regions.append(Region(open_at.name, open_at.hint, rel, open_at.begin, i,
-                                      open_at.indent, open_at.hint_lines))
+                regions.append(replace(open_at, end=i))
                 open_at = None
         if open_at is not None:
             raise ValueError(f"{rel}:{open_at.begin + 1}: BEGIN EXERCISE without END EXERCISE")
