@@ -182,12 +182,15 @@ def plain_syntax_error(e: SyntaxError, ref: Region, student: Region, copy: Path)
 def pytest_command(hybrid: Path, name: str, record: Path, basetemp: Path,
                    shard: tuple[int, int] = (0, 1)) -> list[str]:
     """The exercise's selection (shard i of n of it) against `hybrid`, in a pytest that
-    loads only the grader: the notebooks' plugin (nbmake) costs a second and a half to
-    import and grades nothing here, so pyproject's addopts are replaced."""
+    loads only the grader and Hypothesis' plugin: pyproject's addopts (nbmake, for the
+    notebooks) are replaced, and `run_shards` turns off the loading of every installed
+    plugin (PYTEST_DISABLE_PLUGIN_AUTOLOAD): scanning the installed packages for them costs
+    about a second of CPU per process, and none of them grades anything."""
     grading = EXERCISES[name]
     return [sys.executable, "-m", "pytest", *grading.test_files,
             "-m", grading.marker_expression, "-o", "addopts=", "-p", "grading",
-            "-p", "no:nbmake", "-p", "no:cacheprovider", "-x", "-q", "--tb=short",
+            "-p", "_hypothesis_pytestplugin", "-p", "no:cacheprovider", "-x", "-q",
+            "--tb=short",
             f"--impl={hybrid}", f"--grade-record={record}", f"--basetemp={basetemp}",
             f"--grade-shard={shard[0]}/{shard[1]}"]
 
@@ -234,6 +237,7 @@ def run_shards(commands: list[list[str]], workdir: Path, timeout_s: float
     (negative: killed) and the outputs."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("REFSERVE_IMPL", "PYTHONPATH", "PYTEST_ADDOPTS")}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # the plugins it needs are named (-p)
     logs = [workdir / f"output{i}.txt" for i in range(len(commands))]
     procs = []
     for command, log in zip(commands, logs):

@@ -117,7 +117,8 @@ def test_accept_test_has_the_acceptance_probability(pq, data):
             np.array([0.5]),
         )
         assert num_accepted[0] == int(accepted), (
-            f"u={u!r}, p(x)={p[x]!r}, q(x)={q[x]!r}: accepted={bool(num_accepted[0])}, "
+            f"u={u!r}, p(x)={float(p[x])!r}, q(x)={float(q[x])!r}: "
+            f"accepted={bool(num_accepted[0])}, "
             f"want {accepted} (accept iff u * q(x) < p(x))")
 
 
