@@ -302,7 +302,7 @@ for ax, (name, rows) in zip(axes, [("continuous", continuous), ("static", static
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
 axes[0].set_ylabel("seats")
 axes[0].set_yticks(range(POOL["max_num_seqs"] + 1))
-axes[0].legend(loc="lower left")
+axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, not on them
 fig.tight_layout()
 plt.show()
 """),
