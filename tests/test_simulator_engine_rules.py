@@ -2,6 +2,10 @@
 
 - blocks are counted by `blocks_for_tokens` only: no ceiling division by a block size is
   written anywhere else in refserve/ (an AST scan, with negative controls);
+- the KV pool is sized by one function, engine_setup.plan_kv_pool: the engine and the
+  simulator call it and, given the same model, memory and knobs, get the same pool;
+- a finished request's metrics are completed by one function, RequestMetrics.record_finish,
+  in the engine and the simulator alike;
 """
 
 from __future__ import annotations
@@ -12,7 +16,13 @@ from pathlib import Path
 import pytest
 
 import refserve
+import refserve.engine
+import refserve.simulator.engine
+from refserve import engine_setup
 from refserve.config import EngineConfig
+from refserve.metrics import RequestMetrics
+from refserve.sampling_params import SamplingParams
+from refserve.sequence import Sequence
 
 PACKAGE = Path(refserve.__file__).parent
 
@@ -120,3 +130,152 @@ def test_the_scan_sees_the_exercise_when_it_is_not_the_owner():
     source = (PACKAGE.parent / path).read_text()
     assert inlined_block_ceilings(source, path) == []
     assert len(inlined_block_ceilings(source, "elsewhere.py")) == 1
+
+
+# ---- the KV pool is sized by one function --------------------------------------------------
+
+
+def calls_to(names: set[str]) -> dict[str, set[str]]:
+    """For every module of refserve/: which of `names` it calls (as f(...) or x.f(...))."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+                if name in names:
+                    found.setdefault(rel, set()).add(name)
+    return found
+
+
+def test_the_engine_and_the_simulator_call_the_one_pool_sizing():
+    assert refserve.engine.plan_kv_pool is engine_setup.plan_kv_pool
+    assert refserve.simulator.engine.plan_kv_pool is engine_setup.plan_kv_pool
+    callers = calls_to({"plan_kv_pool", "check_pool_holds_one_sequence",
+                        "kv_budget_on_device"})
+    assert callers == {"refserve/engine.py": {"plan_kv_pool"},
+                       "refserve/simulator/engine.py": {"plan_kv_pool"},
+                       "refserve/engine_setup.py": {"check_pool_holds_one_sequence",
+                                                    "kv_budget_on_device"}}
+
+
+def test_the_engine_and_the_simulator_get_the_same_pool(tiny_llama, monkeypatch):
+    """The same model, memory and knobs: the real engine (the CPU, then a device that reports
+    its memory) and the simulator (the host profile, then a GPU profile of that memory with
+    the same bytes in use) size the same pool, for the same reason."""
+    import dataclasses
+
+    from refserve.backends.numpy_backend import NumpyBackend
+    from refserve.engine import LLMEngine
+    from refserve.simulator import SimulatedEngine, load_model
+    from refserve.simulator.hardware import host_profile
+
+    shape = load_model(str(tiny_llama))
+    host = host_profile({"peak_flops": 1e11, "bandwidth_bytes_per_s": 1e10})
+    knobs = dict(block_size=4, max_num_batched_tokens=64, dtype="float32")
+
+    def both(gpu, **config):
+        real = LLMEngine(model=str(tiny_llama), progress=False, **knobs, **config)
+        sim = SimulatedEngine(shape, gpu, EngineConfig(**knobs, **config))
+        return (real.num_blocks, real.kv_pool_plan.knob), (sim.num_blocks, sim.pool_sized_by)
+
+    real, sim = both(host, kv_cache_memory_bytes=1 << 20, backend="numpy")
+    assert real == sim and real[0] == 682
+
+    class FakeDevice(NumpyBackend):  # a 4 MB device with 1 MB in use
+        def free_device_memory(self):
+            return 3_000_000
+
+        def total_device_memory(self):
+            return 4_000_000
+
+    monkeypatch.setattr(refserve.engine, "get_backend", lambda name, **options: FakeDevice())
+    weights = shape.total_params * 4
+    gpu = dataclasses.replace(host, kind="gpu", memory_bytes=4_000_000,
+                              reserved_bytes=1_000_000 - weights)
+    for utilization in (0.5, 0.9):
+        (real_blocks, real_knob), (sim_blocks, sim_knob) = both(
+            gpu, gpu_memory_utilization=utilization)
+        assert real_blocks == sim_blocks > 0
+        # the same rule and numbers; only what is in use is described differently
+        assert real_knob.split(" (")[0] == sim_knob.split(" (")[0]
+
+
+# ---- a finished request's metrics: one function ------------------------------------------
+
+
+def finished_seq(tokens: int, first: float | None, finish: float | None, cached=0,
+                 preemptions=0) -> Sequence:
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=tokens), 0.0, seq_id=None)
+    seq.output_token_ids.extend(range(tokens))
+    seq.first_token_time, seq.finish_time = first, finish
+    seq.num_cached_tokens, seq.num_preemptions = cached, preemptions
+    return seq
+
+
+def test_record_finish_by_hand():
+    """n = 3 samples: TPOT is per sequence (each one's decode time over its own tokens
+    after the first), never the request's time over all n samples' tokens."""
+    m = RequestMetrics(arrival_time=0.0, first_token_time=1.0)
+    m.record_finish([finished_seq(5, 1.0, 3.0, cached=16, preemptions=1),
+                     finished_seq(3, 1.0, 2.0, preemptions=2),
+                     finished_seq(1, 1.0, 1.0)], now=9.0)
+    assert (m.finish_time, m.num_output_tokens, m.num_preemptions) == (3.0, 9, 3)
+    assert (m.decode_time, m.num_decode_tokens) == (3.0, 6)  # (2 + 1) s over 4 + 2 tokens
+    assert m.tpot == 0.5 and m.num_cached_tokens == 16
+    one = RequestMetrics(arrival_time=0.0, first_token_time=1.0)
+    one.record_finish([finished_seq(4, 1.0, None)], now=4.0)  # not stamped yet: now
+    assert (one.finish_time, one.tpot) == (4.0, 1.0)
+
+
+def test_the_engine_and_the_simulator_finish_requests_with_it(tiny_llama, monkeypatch):
+    from refserve import LLM
+    from refserve.simulator import SimulatedEngine, load_gpu, load_model, make_workload
+
+    finished = []
+    record = RequestMetrics.record_finish
+
+    def spy(self, seqs, now):
+        seqs = list(seqs)
+        finished.append(seqs[0].request_id)
+        record(self, seqs, now)
+
+    monkeypatch.setattr(RequestMetrics, "record_finish", spy)
+    llm = LLM(model=str(tiny_llama), progress=False, block_size=4,
+              num_gpu_blocks_override=64)
+    outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, n=2))
+    assert sorted(finished) == sorted(o.request_id for o in outs)
+    assert all(o.metrics.num_output_tokens == 6 and o.metrics.tpot for o in outs)
+    finished.clear()
+    model = load_model("llama-3-8b")
+    engine = SimulatedEngine(model, load_gpu("h100-80gb"), EngineConfig(
+        num_gpu_blocks_override=64, max_model_len=512))
+    requests = make_workload("chat", 5, 4.0, vocab_size=model.vocab_size,
+                             max_model_len=512, seed=0)
+    result = engine.run(requests)
+    assert sorted(finished) == sorted(r.request_id for r in requests)
+    assert all(m.tpot or m.num_output_tokens == 1 for m in result.metrics.values())
+
+
+def assignments_to(attrs: set[str], source: str) -> set[str]:
+    """Which of `attrs` `source` assigns as an attribute (x.attr = ..., x.attr += ...)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AugAssign) else [])
+        found |= {t.attr for t in targets if isinstance(t, ast.Attribute) and t.attr in attrs}
+    return found
+
+
+FINISH_FIELDS = {"decode_time", "num_decode_tokens"}
+
+
+def test_only_record_finish_sets_the_per_sequence_decode_time():
+    setters = {path.relative_to(PACKAGE.parent).as_posix()
+               for path in PACKAGE.rglob("*.py")
+               if assignments_to(FINISH_FIELDS, path.read_text())}
+    assert setters == {"refserve/metrics.py"}
+    # negative control: the copy the simulator held is found
+    assert assignments_to(FINISH_FIELDS, "m.decode_time = now - m.first_token_time\n"
+                          "m.num_decode_tokens += 1") == FINISH_FIELDS
