@@ -6,6 +6,10 @@
   simulator call it and, given the same model, memory and knobs, get the same pool;
 - a finished request's metrics are completed by one function, RequestMetrics.record_finish,
   in the engine and the simulator alike;
+- the engine's flags are one declaration (entrypoints/engine_args.py): every engine flag
+  parses identically in generate, serve, simulate and plan, or is one the simulator
+  declares with a meaning of its own; simulate's and plan's sources declare no other, and
+  the defaults follow the engine's (`--gpu this-machine`: the CPU backend's token budget).
 """
 
 from __future__ import annotations
@@ -279,3 +283,140 @@ def test_only_record_finish_sets_the_per_sequence_decode_time():
     # negative control: the copy the simulator held is found
     assert assignments_to(FINISH_FIELDS, "m.decode_time = now - m.first_token_time\n"
                           "m.num_decode_tokens += 1") == FINISH_FIELDS
+
+
+# ---- the engine's flags: one declaration --------------------------------------------------
+
+PLAN_SLOS = ["--slo-ttft-p99", "1s", "--slo-tpot-p99", "50ms"]
+
+
+def parsers() -> dict:
+    """Each entry point's parser, with the argv it needs besides engine flags and the
+    engine flags it gives a meaning of its own."""
+    from refserve import generate, plan, serve, simulate
+
+    return {"generate": (generate.build_parser(), ["hi"], ()),
+            "serve": (serve.build_parser(), [], ()),
+            "simulate": (simulate.build_parser(), [], simulate.OWN_MEANING),
+            "plan": (plan.build_parser(), PLAN_SLOS,
+                     simulate.OWN_MEANING + simulate.SEARCHED)}
+
+
+def engine_actions(parser) -> dict[str, object]:
+    """option string -> action, for the engine groups' flags."""
+    return {opt: action for group in parser._action_groups
+            if group.title.startswith("engine:") for action in group._group_actions
+            for opt in action.option_strings}
+
+
+def signature(action) -> tuple:
+    """What a flag means: its action, dest, type (a parser built by a factory, such as
+    memory_size(...), is a new function per parser: compared by name), default, choices,
+    help."""
+    kind = getattr(action.type, "__qualname__", action.type)
+    return (type(action).__name__, action.dest, kind, action.default, action.choices,
+            action.nargs, action.const, action.help, action.metavar)
+
+
+# One value per engine flag, not its default, for the parse test.
+ENGINE_ARGV = {
+    "--model": ["some/folder"], "--dtype": ["float16"], "--seed": ["7"],
+    "--block-size": ["32"], "--num-gpu-blocks-override": ["99"],
+    "--gpu-memory-utilization": ["0.8"], "--max-model-len": ["2048"],
+    "--max-num-seqs": ["8"], "--max-num-batched-tokens": ["512"],
+    "--long-prefill-token-threshold": ["64"], "--enable-prefix-caching": [],
+    "--no-enable-prefix-caching": [], "--enable-chunked-prefill": [],
+    "--no-enable-chunked-prefill": [], "--scheduling-policy": ["priority"],
+    "--preemption-mode": ["swap"], "--swap-space": ["2"], "--enforce-eager": [],
+    "--tensor-parallel-size": ["1"],
+    "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 3}'],
+    "--backend": ["numpy"], "--kv-cache-memory-bytes": ["1GiB"], "--batching": ["static"],
+    "--kv-cache-layout": ["contiguous"], "--prefix-caching-policy": ["radix"],
+    "--num-gpu-blocks": ["12"], "--kv-cache-memory": ["3GiB"],
+}
+
+
+def test_every_engine_flag_is_the_engines_in_every_entry_point():
+    reference = engine_actions(parsers()["generate"][0])
+    assert set(reference) == set(ENGINE_ARGV), "give each engine flag a value in ENGINE_ARGV"
+    for name, (parser, _, own) in parsers().items():
+        actions = engine_actions(parser)
+        for opt, ref in reference.items():
+            if ref.dest in own:
+                assert opt not in actions, (name, opt)
+            else:
+                assert opt in actions and signature(actions[opt]) == signature(ref), (name, opt)
+        assert set(actions) <= set(reference), name
+        # a flag of its own meaning is declared outside the engine groups
+        mine = {a.dest for a in parser._actions} - {a.dest for a in actions.values()}
+        assert set(own) - {"backend"} <= mine, name
+
+
+@pytest.mark.parametrize("opt", sorted(ENGINE_ARGV))
+def test_every_engine_flag_parses_identically_everywhere(opt, capsys):
+    values = {}
+    for name, (parser, rest, own) in parsers().items():
+        action = engine_actions(parsers()["generate"][0])[opt]
+        if action.dest in own:
+            continue
+        args = parser.parse_args([opt, *ENGINE_ARGV[opt], *rest])
+        values[name] = getattr(args, action.dest)
+    capsys.readouterr()  # the deprecated spellings' warnings
+    assert len(set(map(repr, values.values()))) == 1, values
+    assert {"generate", "serve"} <= set(values)
+
+
+def declared_flags(source: str) -> set[str]:
+    """The option strings of every add_argument call in `source`."""
+    return {arg.value for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
+            for arg in node.args if isinstance(arg, ast.Constant)
+            and str(arg.value).startswith("--")}
+
+
+def test_simulate_and_plan_declare_no_engine_flag_of_their_own():
+    """Outside engine_args.py only the flags of their own meaning: a copy of an engine flag
+    (and its drifting default) in simulate.py or plan.py fails here."""
+    from refserve import simulate
+
+    engine = {opt: action.dest
+              for opt, action in engine_actions(parsers()["generate"][0]).items()}
+    allowed = {"simulate.py": simulate.OWN_MEANING,
+               "plan.py": simulate.OWN_MEANING + simulate.SEARCHED}
+    for name, own in allowed.items():
+        copies = {opt for opt in declared_flags((PACKAGE / name).read_text())
+                  if opt in engine and engine[opt] not in own}
+        assert not copies, f"{name} declares engine flags itself: {sorted(copies)}"
+    # negative control: the copy simulate.py held is found
+    stray = 'e.add_argument("--max-num-batched-tokens", type=int, default=8192)'
+    assert declared_flags(stray) == {"--max-num-batched-tokens"}
+
+
+def test_an_exclusion_must_name_an_engine_flag():
+    from refserve.entrypoints.cli_common import ArgumentParser
+    from refserve.entrypoints.engine_args import add_engine_args
+
+    with pytest.raises(ValueError, match="no engine flag.*max_num_tokens"):
+        add_engine_args(ArgumentParser(), exclude=("model", "max_num_tokens"))
+
+
+def test_simulated_defaults_are_the_engines(tiny_llama, monkeypatch):
+    """simulate with no budget flags runs the budget and prefill cap the real engine runs on
+    the backend the profile stands for: the CPU backend's on this machine, vLLM's on a GPU."""
+    from refserve.bench import roofline
+    from refserve.engine import LLMEngine
+    from refserve.simulate import build_parser, prepare
+
+    monkeypatch.setattr(roofline, "measure_ceilings", lambda *a: {
+        "peak_flops": 1e11, "bandwidth_bytes_per_s": 1e10})
+    cpu = LLMEngine(model=str(tiny_llama), backend="cpu", progress=False).config
+
+    def simulated(gpu):
+        args = build_parser().parse_args(["--model", "smollm2-135m", "--gpu", gpu,
+                                          "--num-requests", "1"])
+        config = prepare(args)[3].config
+        return config.max_num_batched_tokens, config.long_prefill_token_threshold
+
+    assert simulated("this-machine") == (cpu.max_num_batched_tokens,
+                                         cpu.long_prefill_token_threshold) == (256, 128)
+    assert simulated("h100-80gb") == (8192, 0)  # vLLM's GPU default, no prefill cap

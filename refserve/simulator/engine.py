@@ -208,7 +208,10 @@ class SimulatedEngine:
         return (f"KV cache {self.num_blocks} blocks x {self.block_size} tokens = {tokens} "
                 f"tokens per GPU (sized by {self.pool_sized_by}) | max_num_seqs "
                 f"{self.config.max_num_seqs}, max_num_batched_tokens "
-                f"{self.config.max_num_batched_tokens}, prefix caching "
+                f"{self.config.max_num_batched_tokens}"
+                + (f" (a prefill at most {self.config.long_prefill_token_threshold})"
+                   if self.config.long_prefill_token_threshold else "")
+                + ", prefix caching "
                 f"{'on' if self.kv_cache_manager.enable_prefix_caching else 'off'}, "
                 f"max_model_len {self.max_model_len}, tensor parallel "
                 f"{self.tensor_parallel_size}, chunked prefill "
