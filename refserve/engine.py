@@ -23,13 +23,7 @@ import numpy as np
 
 from refserve.backends import get_backend
 from refserve.config import EngineConfig
-from refserve.engine_setup import (
-    PoolShape,
-    device_memory,
-    plan_kv_pool,
-    resolve_token_budget,
-    startup_lines,
-)
+from refserve.engine_setup import plan_kv_pool, resolve_token_budget, startup_lines
 from refserve.kv_cache import KVCacheManager
 from refserve.kv_cache.host_pool import HostBlockPool
 from refserve.logprobs import sampled_logprobs
@@ -97,10 +91,8 @@ class LLMEngine(RequestIntake):
         draft_model = loaded[0]
 
         # --- the KV pool: the blocks, not the weights, decide how many sequences fit.
-        draft_shape = (PoolShape.of_config(draft_model.config) if draft_model is not None
-                       else None)
-        plan = plan_kv_pool(config, PoolShape.of_config(mc), self.dtype.itemsize,
-                            self.max_model_len, device_memory(self.backend), draft_shape)
+        plan = plan_kv_pool(config, mc, self.backend, self.dtype, self.max_model_len,
+                            draft_model.config if draft_model is not None else None)
         self.kv_pool_plan = plan
         num_blocks = plan.num_blocks
         self.num_blocks = num_blocks

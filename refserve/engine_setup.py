@@ -20,8 +20,8 @@ between them by bytes per token. More blocks than max_num_seqs full-length seque
 use would be wasted memory, so the count is capped there; a pool that cannot hold one
 max_model_len sequence would fail mid-run, so it is refused here.
 
-`plan_kv_pool` is the one pool-sizing rule over a model's shape (`PoolShape`): the engine
-calls it with what its backend reports (`device_memory`), the simulator
+`size_kv_pool` is the one pool-sizing rule, over a model's shape (`PoolShape`): the engine
+calls it through `plan_kv_pool` with the memory its backend reports, the simulator
 (refserve/simulator/engine.py) with a GPU profile, whose modelled weights and reserved
 bytes are what is in use, and with tensor parallelism (the pool of one of its GPUs).
 """
@@ -97,20 +97,11 @@ class PoolShape:
 class DeviceMemory:
     """A device's memory as the pool sizing sees it: `total` bytes and what is `in_use`
     before the pool (`in_use_what` says what that is). The engine measures it on its
-    backend (`device_memory`); the simulator models it from a GPU profile."""
+    backend (plan_kv_pool); the simulator models it from a GPU profile."""
 
     total: int
     in_use: int
     in_use_what: str
-
-
-def device_memory(backend) -> DeviceMemory | None:
-    """The backend's device memory, measured now (weights loaded): None on the CPU."""
-    free = backend.free_device_memory()
-    if free is None:
-        return None
-    total = backend.total_device_memory()
-    return DeviceMemory(total, total - free, "weights, other processes")
 
 
 @dataclass(frozen=True)
@@ -127,16 +118,29 @@ class KVPoolPlan:
     num_host_blocks: int            # swap preemption's host pool (0 with recompute)
 
 
-def plan_kv_pool(config: EngineConfig, shape: PoolShape, dtype_bytes: int, max_model_len: int,
+def plan_kv_pool(config: EngineConfig, model_config, backend, dtype, max_model_len: int,
+                 draft_config=None) -> KVPoolPlan:
+    """The engine's pool: `size_kv_pool` for its loaded model (and draft model's config,
+    None without one) in `dtype`, on the memory `backend` reports now, weights loaded."""
+    free, device = backend.free_device_memory(), None
+    if free is not None:
+        total = backend.total_device_memory()
+        device = DeviceMemory(total, total - free, "weights, other processes")
+    draft = PoolShape.of_config(draft_config) if draft_config is not None else None
+    return size_kv_pool(config, PoolShape.of_config(model_config), dtype.itemsize,
+                        max_model_len, device, draft)
+
+
+def size_kv_pool(config: EngineConfig, shape: PoolShape, dtype_bytes: int, max_model_len: int,
                  device: DeviceMemory | None, draft: PoolShape | None = None, *,
                  kv_dtype_bytes: int | None = None, tensor_parallel_size: int = 1
                  ) -> KVPoolPlan:
     """The pool for `config` (its token budget already resolved) of a model of `shape` in
     `dtype_bytes` per weight and activation, on `device` (None: the CPU); see the module
-    docstring. The one rule of the engine and the simulator alike. `draft`: the draft
-    model's shape, None without one. `kv_dtype_bytes`: bytes per cached K or V element when
-    they differ from dtype_bytes (an fp8 cache); `tensor_parallel_size`: the pool of one of
-    that many devices (the simulator's; the engine runs on one)."""
+    docstring. The one rule of the engine (plan_kv_pool) and the simulator alike. `draft`:
+    the draft model's shape, None without one. `kv_dtype_bytes`: bytes per cached K or V
+    element when they differ from dtype_bytes (an fp8 cache); `tensor_parallel_size`: the
+    pool of one of that many devices (the simulator's; the engine runs on one)."""
     tp = tensor_parallel_size
     kv_bytes = kv_dtype_bytes or dtype_bytes
     block_size = max_model_len if config.kv_cache_layout == "contiguous" else config.block_size

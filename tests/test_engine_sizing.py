@@ -13,7 +13,7 @@ from refserve import LLM, SamplingParams, capacity
 from refserve.backends.numpy_backend import NumpyBackend
 from refserve.config import EngineConfig
 from refserve.engine import LLMEngine
-from refserve.engine_setup import DeviceMemory, PoolShape, plan_kv_pool
+from refserve.engine_setup import DeviceMemory, PoolShape, size_kv_pool
 
 # The tiny model: 2 layers, 2 KV heads of head_dim 12, max_position_embeddings 128.
 KV_BYTES_PER_TOKEN_F32 = 2 * 2 * 2 * 12 * 4
@@ -108,7 +108,7 @@ def test_the_old_knob_names_still_work_and_warn():
         assert EngineConfig(kv_cache_memory=1 << 20).kv_cache_memory_bytes == 1 << 20
 
 
-# ---- plan_kv_pool: the one pool-sizing rule (the engine's and the simulator's) ----------
+# ---- size_kv_pool: the one pool-sizing rule (the engine's and the simulator's) ----------
 
 # The tiny model's shape: 2 layers, 2 KV heads of 12, hidden 48, MLP 96, vocab 97.
 TINY = PoolShape(num_layers=2, num_kv_heads=2, head_dim=12, hidden_size=48,
@@ -122,11 +122,11 @@ def pool(device=DEVICE, draft=None, **kw):
     options = {k: kw.pop(k) for k in ("kv_dtype_bytes", "tensor_parallel_size") if k in kw}
     config = EngineConfig(**{"block_size": 4, "max_num_batched_tokens": 64,
                              "gpu_memory_utilization": 0.5, **kw})
-    return plan_kv_pool(config, TINY, 4, kw.get("max_model_len", 128), device, draft,
+    return size_kv_pool(config, TINY, 4, kw.get("max_model_len", 128), device, draft,
                         **options)
 
 
-def test_plan_kv_pool_by_hand():
+def test_size_kv_pool_by_hand():
     cpu = pool(device=None, kv_cache_memory_bytes=1 << 20)
     assert (cpu.bytes_per_token, cpu.bytes_per_block) == (384, 1536)
     assert cpu.num_blocks == 682 and cpu.knob == "kv_cache_memory_bytes=1048576"  # 2^20 // 1536
@@ -153,7 +153,7 @@ def test_plan_kv_pool_by_hand():
     assert pool(preemption_mode="swap", swap_space=1.0).num_host_blocks == 2**30 // 1536
 
 
-def test_plan_kv_pool_refuses_what_cannot_work():
+def test_size_kv_pool_refuses_what_cannot_work():
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.2: .*in use already "
                                          r"\(weights\).*do not fit"):
         pool(gpu_memory_utilization=0.2)

@@ -209,7 +209,7 @@ def test_pool_invariants_hold_after_every_simulated_step(num_requests, blocks, b
 
 
 def test_the_simulated_pool_is_one_gpus_share_of_the_profiles_memory():
-    """The arithmetic is engine_setup.plan_kv_pool's (tested in test_engine_sizing.py and
+    """The arithmetic is engine_setup.size_kv_pool's (tested in test_engine_sizing.py and
     tests/test_simulator_engine_rules.py); here, what the simulator feeds it."""
     one = SimulatedEngine(MODEL, H100, EngineConfig())
     assert "gpu_memory_utilization=0.9" in one.pool_sized_by

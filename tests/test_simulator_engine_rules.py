@@ -2,8 +2,9 @@
 
 - blocks are counted by `blocks_for_tokens` only: no ceiling division by a block size is
   written anywhere else in refserve/ (an AST scan, with negative controls);
-- the KV pool is sized by one function, engine_setup.plan_kv_pool: the engine and the
-  simulator call it and, given the same model, memory and knobs, get the same pool;
+- the KV pool is sized by one function, engine_setup.size_kv_pool: the engine (through
+  plan_kv_pool, which measures its backend) and the simulator call it and, given the same
+  model, memory and knobs, get the same pool;
 - a finished request's metrics are completed by one function, RequestMetrics.record_finish,
   in the engine and the simulator alike;
 - the engine's flags are one declaration (entrypoints/engine_args.py): every engine flag
@@ -155,12 +156,13 @@ def calls_to(names: set[str]) -> dict[str, set[str]]:
 
 def test_the_engine_and_the_simulator_call_the_one_pool_sizing():
     assert refserve.engine.plan_kv_pool is engine_setup.plan_kv_pool
-    assert refserve.simulator.engine.plan_kv_pool is engine_setup.plan_kv_pool
-    callers = calls_to({"plan_kv_pool", "check_pool_holds_one_sequence",
+    assert refserve.simulator.engine.size_kv_pool is engine_setup.size_kv_pool
+    callers = calls_to({"plan_kv_pool", "size_kv_pool", "check_pool_holds_one_sequence",
                         "kv_budget_on_device"})
     assert callers == {"refserve/engine.py": {"plan_kv_pool"},
-                       "refserve/simulator/engine.py": {"plan_kv_pool"},
-                       "refserve/engine_setup.py": {"check_pool_holds_one_sequence",
+                       "refserve/simulator/engine.py": {"size_kv_pool"},
+                       "refserve/engine_setup.py": {"size_kv_pool",
+                                                    "check_pool_holds_one_sequence",
                                                     "kv_budget_on_device"}}
 
 

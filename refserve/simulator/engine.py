@@ -9,7 +9,7 @@ Only the model is replaced. One step is
                                          free; the tokens are the request's own next ones
 
 and requests join `waiting` when the clock passes their arrival time (the serving loop's
-inbox). The KV pool is sized by the real engine's own rule (engine_setup.plan_kv_pool) on
+inbox). The KV pool is sized by the real engine's own rule (engine_setup.size_kv_pool) on
 a modelled device (`simulated_device`): on a GPU, gpu_memory_utilization x memory - weights
 / tp - reserved - one step's activations; on the host profile, kv_cache_memory_bytes;
 num_gpu_blocks_override wins over both. The token budget is resolved as the real engine
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from refserve import capacity
 from refserve.config import EngineConfig
-from refserve.engine_setup import DeviceMemory, plan_kv_pool, resolve_token_budget
+from refserve.engine_setup import DeviceMemory, resolve_token_budget, size_kv_pool
 from refserve.kv_cache import KVCacheManager
 from refserve.metrics import RequestMetrics, RunSummary, summarize
 from refserve.sampling_params import SamplingParams
@@ -167,7 +167,7 @@ class SimulatedEngine:
                                   draft is not None and spec.options["model"] != "self",
                                   quantization=quantization)
         try:
-            pool = plan_kv_pool(
+            pool = size_kv_pool(
                 config, model.pool_shape, capacity.DTYPE_BYTES[self.dtype],
                 self.max_model_len, device, draft.pool_shape if draft is not None else None,
                 kv_dtype_bytes=capacity.kv_cache_dtype_bytes(self.dtype, kv_cache_dtype),
