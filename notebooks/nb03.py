@@ -15,7 +15,8 @@ all k accepted:  emit a bonus token ~ p at the next position
 ```
 
 * WARMUP.md §9 (the proof, the expected length, the speedup with draft cost c)
-* code: `refserve/spec_decode/` (`rejection_sampler.py`, `ngram.py`), `refserve/metrics.py`
+* code: `refserve/sampling/rejection_sampler.py`, `refserve/spec_decode/ngram.py`,
+  `refserve/metrics.py`
 * grading: `pytest -m spec_accept`, `-m spec_propose`, `-m spec_e2e`
 """),
     ("code", r"""
@@ -25,12 +26,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from refserve.metrics import expected_tokens_per_pass
-from refserve.spec_decode.ngram import propose
-from refserve.spec_decode.rejection_sampler import (
+from refserve.sampling.rejection_sampler import (
     acceptance_probability,
     rejection_sample,
     residual_distribution,
 )
+from refserve.spec_decode.ngram import propose
 
 np.set_printoptions(precision=3, suppress=True)
 """),

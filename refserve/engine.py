@@ -33,6 +33,7 @@ from refserve.output_processor import RequestState, make_outputs
 from refserve.outputs import RequestOutput
 from refserve.request_intake import RequestIntake
 from refserve.sampling import Sampler, make_generator
+from refserve.sampling.verify import verify
 from refserve.scheduler import ChildDraw, SampledTokens, SchedulerOutput, StepUpdate
 from refserve.scheduler.drafts import Proposals, verify_inputs
 from refserve.scheduler.factory import make_scheduler
@@ -40,7 +41,6 @@ from refserve.scheduler.swapping import swap_stats
 from refserve.sequence import Sequence
 from refserve.spec_decode.registry import resolve as resolve_proposer
 from refserve.spec_decode.speculator import Speculator
-from refserve.spec_decode.verify import verify
 from refserve.static_runner import StaticBatchRunner
 
 
@@ -192,7 +192,7 @@ class LLMEngine(RequestIntake):
                proposals: Proposals | None = None) -> SampledTokens:
         """The sampling stage: one token per sampling row of `out`, from its logits row;
         1..k+1 tokens per speculative verify row (num_logits = k + 1), from its k + 1 logits
-        rows by the accept / residual-resample step (spec_decode/verify.py, which states the
+        rows by the accept / residual-resample step (sampling/verify.py, which states the
         order in which a verify row draws its uniforms from the sequence's generator), with
         the drafts' q from `proposals` (the propose stage's result).
 

@@ -21,7 +21,7 @@ c. logit_bias: logit'[t] = logit[t] + bias[t] (OpenAI's: -100 bans a token in pr
 
 Each function edits `row` (a float32 vector of length vocab) in place and returns it;
 `apply_processors` runs them in this order on a copy of a batch's rows (the Sampler's first
-step, refserve/sampling.py).
+step, refserve/sampling/sampler.py).
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def test_copy_blocks_equal_numpy(cupy_backend, cp, num_blocks, data):
 @SETTINGS
 @given(data=st.data())
 def test_rejection_sample_emits_identical_tokens(cupy_backend, cp, data):
-    from refserve.spec_decode.rejection_sampler import rejection_sample
+    from refserve.sampling.rejection_sampler import rejection_sample
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     batch, k = data.draw(st.integers(1, 8)), data.draw(st.integers(0, 5))

@@ -124,7 +124,7 @@ def test_resolve_dtype_defaults_to_float16_and_refuses_bfloat16(make_backend):
 
 def test_rejection_sample_equals_the_numpy_op(make_backend):
     """Same uniforms -> identical tokens, with draft probabilities and with n-gram (None)."""
-    from refserve.spec_decode.rejection_sampler import rejection_sample
+    from refserve.sampling.rejection_sampler import rejection_sample
 
     backend = make_backend()
     rng = np.random.default_rng(2)

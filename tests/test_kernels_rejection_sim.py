@@ -1,7 +1,7 @@
 """The accept / residual-resample kernel (kernels/rejection_sample.cu), executed on the CPU.
 
 Fed the same arrays and uniforms as the NumPy reference
-(refserve/spec_decode/rejection_sampler.py:rejection_sample), it must emit *identical* tokens
+(refserve/sampling/rejection_sampler.py:rejection_sample), it must emit *identical* tokens
 and accepted counts: not "close", equal, because both evaluate the same float64 operations in
 the same order (the kernel's header explains how its two-pass scan reproduces NumPy's
 left-to-right cumsum bit for bit).
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refserve.backends import cuda_launch as cl
-from refserve.spec_decode.rejection_sampler import rejection_sample
+from refserve.sampling.rejection_sampler import rejection_sample
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None,
                                 reason="g++ (C++20) is needed to run the CUDA kernels on the CPU")

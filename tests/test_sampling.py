@@ -41,8 +41,8 @@ LOGITS = np.log(np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04], dtype=np.float32)
 
 def expected(temperature=1.0, top_k=0, top_p=1.0):
     """The target distribution, written out by hand from the definitions (independent of
-    refserve.sampling): tempered softmax, keep top-k, keep the smallest prefix of the sorted
-    tokens whose mass reaches top_p, renormalise."""
+    refserve/sampling/sampler.py): tempered softmax, keep top-k, keep the smallest prefix
+    of the sorted tokens whose mass reaches top_p, renormalise."""
     p = np.exp(LOGITS.astype(np.float64) / temperature)
     p /= p.sum()
     order = np.argsort(-p)
@@ -143,7 +143,7 @@ def naive(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, margin=0.0):
     sampler's thresholds and bisection): tempered softmax; min_p keeps p >= min_p * max p;
     top_k keeps logits >= the k-th largest; renormalise; top_p keeps a token when the mass of
     the kept tokens with a strictly larger logit is < top_p (ties decided on the logits, as
-    refserve.sampling's docstring defines); renormalise.
+    refserve/sampling/sampler.py's docstring defines); renormalise.
     Returns (probs, clear): `clear` is False when some token sits within `margin` of a
     min_p (relative) or top_p (absolute) boundary, where float32 and float64 rounding may
     disagree."""

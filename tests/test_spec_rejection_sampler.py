@@ -9,14 +9,14 @@ from hypothesis import strategies as st
 
 from refserve.backends.base import Backend
 from refserve.backends.numpy_backend import NumpyBackend
-from refserve.sampling_params import SamplingParams
-from refserve.spec_decode.rejection_sampler import (
+from refserve.sampling.rejection_sampler import (
     acceptance_probability,
     inverse_cdf_draw,
     rejection_sample,
     residual_distribution,
 )
-from refserve.spec_decode.warping import warp
+from refserve.sampling.warping import warp
+from refserve.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- strategies
 

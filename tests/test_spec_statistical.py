@@ -14,10 +14,10 @@ import pytest
 
 from refserve.backends import NumpyBackend
 from refserve.metrics import expected_tokens_per_pass, spec_mean_accepted_length
+from refserve.sampling import rejection_sampler
+from refserve.sampling.rejection_sampler import inverse_cdf_draw, rejection_sample
+from refserve.sampling.warping import warp
 from refserve.sampling_params import SamplingParams
-from refserve.spec_decode import rejection_sampler
-from refserve.spec_decode.rejection_sampler import inverse_cdf_draw, rejection_sample
-from refserve.spec_decode.warping import warp
 
 SIGNIFICANCE = 1e-3
 NUM_SEQUENCES = 100_000

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from refserve.backends import CpuBackend, NumpyBackend
 from refserve.metrics import expected_tokens_per_pass
 from refserve.sampling import Sampler, SamplingParams
-from refserve.spec_decode.verify import verify
-from refserve.spec_decode.warping import warp
+from refserve.sampling.verify import verify
+from refserve.sampling.warping import warp
 
 BACKENDS = {"numpy": NumpyBackend(), "cpu": CpuBackend()}
 each_backend = pytest.mark.parametrize("backend", list(BACKENDS))
@@ -127,7 +127,7 @@ def verify_distribution(backend, logits, params, draft: int) -> np.ndarray:
 
 
 # (logits, params, the kept set's probabilities). Exact ties: two equal logits are kept or
-# dropped together. The near-tie is sampling.py's example: logits 5e-42 and 0 have the same
+# dropped together. The near-tie is sampler.py's example: logits 5e-42 and 0 have the same
 # float32 probability, yet the nucleus ranks them by logit and keeps the first alone; a p
 # judged on rounded probabilities keeps both, [0.5, 0.5, 0].
 TIES = [

@@ -305,7 +305,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def sampling_weights(self, logits: Array, temperature: np.ndarray, top_k: np.ndarray,
                          top_p: np.ndarray, min_p: np.ndarray) -> Array:
-        """THE NUCLEUS of refserve/sampling.py's docstring, row by row: the unnormalised
+        """THE NUCLEUS of refserve/sampling/sampler.py's docstring, row by row: the unnormalised
         distribution a token is drawn from.
 
         Shapes and dtypes (B rows, V = vocabulary size; host or device arrays, the backend
@@ -321,7 +321,7 @@ class Backend(abc.ABC):
         Row b, with x = logits[b]: e = exp((x - max x) · (1/T)), 1/T rounded once to
         float32, on the tokens min_p, top_k and top_p keep, exactly 0 elsewhere. Ties are
         decided on logits, never on rounded probabilities. The plain sampler (`sample`) and
-        speculative decoding's p and q (spec_decode/warping.py) both read these weights, so
+        speculative decoding's p and q (sampling/warping.py) both read these weights, so
         both keep the same set.
         """
 
@@ -358,7 +358,7 @@ class Backend(abc.ABC):
             draw_uniforms    [B]          float64  u in [0, 1), one per row
             returns output_token_ids [B, k+1] int64 (-1 padded), num_accepted [B] int64
 
-        Contract (refserve/spec_decode/rejection_sampler.py states it in full), in float64:
+        Contract (refserve/sampling/rejection_sampler.py states it in full), in float64:
           * draft i of row b is accepted iff accept_uniforms[b, i] * q_i(x_i) < p_i(x_i)
             (q_i(x_i) = 1 when draft_probs is None); num_accepted[b] is the length of the
             leading run of accepted drafts; uniforms at or after the first rejection and
@@ -370,7 +370,7 @@ class Backend(abc.ABC):
         So backends given the same arrays emit the same tokens. This default runs the NumPy
         reference on host copies; a GPU backend replaces it with a kernel.
         """
-        from refserve.spec_decode.rejection_sampler import rejection_sample
+        from refserve.sampling.rejection_sampler import rejection_sample
 
         host = self.to_numpy
         output_token_ids, num_accepted = rejection_sample(

@@ -1,6 +1,6 @@
 """The tuned CPU sampler: the nucleus (`Backend.sampling_weights`) without sorting whole rows.
 
-The rule and the draw are the reference's (refserve/sampling.py states them;
+The rule and the draw are the reference's (refserve/sampling/sampler.py states them;
 numpy_backend.sampling_weights / sample_tokens). `kept_distributions` is this backend's one
 implementation of the nucleus: `sample` draws from it, and `dense_weights` hands it to
 speculative decoding's p and q. What differs is how the top_p cut is found. The reference

@@ -11,7 +11,7 @@ This is the backend the course reads (`backend="numpy"`). Each op is its definit
                      table, then softmax(q · Kᵀ · scale + causal mask) · V
     sampling_weights sort each row, keep what min_p / top_k / top_p keep
     sample           the inverse CDF of those weights at the row's uniform
-    rejection_sample refserve/spec_decode/rejection_sampler.py (Backend.rejection_sample)
+    rejection_sample refserve/sampling/rejection_sampler.py (Backend.rejection_sample)
 
 Nothing here exists for speed. The tuned CPU backend (cpu_backend.py, `backend="cpu"`, what
 `backend="auto"` picks without a GPU) overrides the ops a CPU runs faster another way, and
@@ -182,7 +182,7 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
 
 
 def sampling_weights(xp: Any, logits, temperature, top_k, top_p, min_p):
-    """`Backend.sampling_weights` (the nucleus of refserve/sampling.py), written against
+    """`Backend.sampling_weights` (the nucleus of refserve/sampling/sampler.py), written against
     `xp` (numpy or cupy), so the CuPy backend runs this same code on the device.
 
     Every rule keeps a prefix of the row sorted largest first, so the rules are applied

@@ -21,7 +21,7 @@ def run_stub(scheduler: Scheduler, requests: list[tuple[str, int, int]],
              verbose: bool = True) -> dict[str, list[int]]:
     """Run (request_id, prompt_len, max_tokens) requests to completion with the stub model;
     returns each request's output tokens."""
-    from refserve.sampling import SamplingParams
+    from refserve.sampling_params import SamplingParams
 
     for request_id, prompt_len, max_tokens in requests:
         prompt = [1 + (i * 7) % 50 for i in range(prompt_len)]

@@ -12,7 +12,7 @@ exists for exactly one engine step, and travels through it as a value:
                  row.draft_token_ids = the first n drafts, row.num_logits = n + 1. A draft
                  that did not fit is simply never computed; a row whose slots do not fit
                  drops its drafts before anyone is preempted.
-    3. VERIFY    engine.sample(out, logits, proposals)   refserve/spec_decode/verify.py
+    3. VERIFY    engine.sample(out, logits, proposals)   refserve/sampling/verify.py
                  the target's n + 1 distributions p and the drafts' q (`verify_inputs`)
                  go to backend.rejection_sample: accepted drafts + one recovered or bonus
                  token come back in SampledTokens.token_ids.

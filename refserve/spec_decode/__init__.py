@@ -19,24 +19,27 @@ One verify step runs the target once over the k draft tokens x_1..x_k and emits,
 so every verify step emits accepted + 1 tokens, and those tokens are distributed exactly as if
 the target had sampled them one at a time.
 
-The math (NumPy only, below the backends: a backend's rejection_sample op is
-rejection_sampler.py's contract):
-    rejection_sampler.py   the accept / residual-resample step (a backend op)
-    warping.py             p and q: the sampler's own kept set and weights, normalised
-    adaptive.py            how many drafts to propose per request (k adapts; 0 = stop)
+Two packages share the work, as in vLLM v1 (vllm/v1/spec_decode/ proposes,
+vllm/v1/sample/rejection_sampler.py verifies):
 
-The engine's use of it (above the model runner):
-    speculator.py   the propose stage: who gets drafts and how many; the adaptive rule
-                    learns from every verify step
-    proposer.py     the proposer interface (what a new proposer provides)
-    registry.py     every proposer by speculative_config method: the engine and the
-                    simulator ask it
-    ngram.py        prompt lookup: drafts copied from earlier in the context
-    draft_model.py  the draft-model proposer: a smaller model, or the target's first N
-                    layers ("self"), with its own paged KV cache
-    verify.py       the verify step: warp p, draw uniforms in a documented order from the
-                    sequence's generator, call the backend's rejection_sample
-    cost_probe.py   what a dense forward of R rows costs (the adaptive rule's calibration)
+    refserve/spec_decode/   the PROPOSE stage (this package, above the model runner)
+        speculator.py   who gets drafts and how many; the adaptive rule learns from every
+                        verify step
+        adaptive.py     how many drafts to propose per request (k adapts; 0 = stop)
+        proposer.py     the proposer interface (what a new proposer provides)
+        registry.py     every proposer by speculative_config method: the engine and the
+                        simulator ask it
+        ngram.py        prompt lookup: drafts copied from earlier in the context
+        draft_model.py  the draft-model proposer: a smaller model, or the target's first N
+                        layers ("self"), with its own paged KV cache
+        cost_probe.py   what a dense forward of R rows costs (the adaptive rule's calibration)
+
+    refserve/sampling/      the VERIFY step, beside the plain sampler (the sample stage,
+                            below the backends: NumPy and control code only)
+        warping.py            p and q: the sampler's own kept set and weights, normalised
+        rejection_sampler.py  the accept / residual-resample step (a backend op's contract)
+        verify.py             a verify row: warp p, draw uniforms in a documented order from
+                              the sequence's generator, call the backend's rejection_sample
 
 A draft token's whole life, from proposal to rollback, has one owner:
 refserve/scheduler/drafts.py. How well speculation pays (acceptance rate, mean accepted

@@ -44,12 +44,12 @@ import numpy as np
 
 from refserve.kv_cache import KVCacheManager
 from refserve.model_runner import ModelRunner
+from refserve.sampling.rejection_sampler import inverse_cdf_draw
+from refserve.sampling.warping import warp
 from refserve.scheduler.drafts import Proposal
 from refserve.scheduler.output import ScheduledSequence, SchedulerOutput
 from refserve.sequence import Sequence
 from refserve.spec_decode.proposer import Proposer
-from refserve.spec_decode.rejection_sampler import inverse_cdf_draw
-from refserve.spec_decode.warping import warp
 
 _DRAFT_STREAM = 0xD2AF7  # mixed into a seeded draft generator: apart from the target's
 

@@ -1,6 +1,6 @@
 // rejection_sample.cu: the accept / residual-resample step of speculative decoding.
 //
-// A kernel twin of refserve/spec_decode/rejection_sampler.py:rejection_sample, fed the same
+// A kernel twin of refserve/sampling/rejection_sampler.py:rejection_sample, fed the same
 // uniforms and emitting bit-identical tokens. For row b with n_b drafts (ids before the first
 // -1), in float64:
 //   accept draft i   iff  accept_uniforms[b, i] * q_i(x_i) < p_i(x_i)   (q_i(x_i) = 1 when

@@ -5,7 +5,7 @@ from. A draft token sampled at temperature T with top-k / top-p must be tested w
 not with softmax(draft_logits): mixing a warped q with an unwarped one (or the reverse) is a
 classic real-world bug that silently changes the output distribution. And the target's p
 must be the distribution a plain step would have sampled from, or speculation changes what
-the request gets. So both are the Sampler's own (refserve/sampling.py):
+the request gets. So both are the Sampler's own (sampler.py):
 
     greedy row (temperature < GREEDY_BELOW):  one-hot at argmax(logits), the first maximum
     otherwise:  backend.sampling_weights(logits, ...) / their sum: the backend's one
@@ -22,7 +22,7 @@ from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
-from refserve.sampling import nucleus_arguments
+from refserve.sampling.sampler import nucleus_arguments
 from refserve.sampling_params import SamplingParams
 
 

@@ -25,7 +25,7 @@ it measures mass after them.
 The nucleus has one implementation per backend (the reference: a sort per row,
 numpy_backend.py), and everything that samples calls it: this Sampler through
 `backend.sample`, and speculative decoding's p and q through `backend.sampling_weights`
-(spec_decode/warping.py), so a verify row keeps exactly the set a plain row keeps. This
+(warping.py), so a verify row keeps exactly the set a plain row keeps. This
 file is the control around the draw: the processors (logits_processors.py), greedy rows'
 argmax, one uniform per sampled row from the row's generator, the per-row settings as
 arrays. The sampled token's logprobs are logprobs.py's (`sampled_logprobs`).

@@ -28,8 +28,8 @@ from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
-from refserve.spec_decode.rejection_sampler import PADDING_TOKEN_ID
-from refserve.spec_decode.warping import warp
+from refserve.sampling.rejection_sampler import PADDING_TOKEN_ID
+from refserve.sampling.warping import warp
 
 
 def verify(target_logits: SequenceOf[np.ndarray], drafts: SequenceOf[SequenceOf[int]],
