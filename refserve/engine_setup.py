@@ -6,7 +6,7 @@ the backend's `long_prefill_token_threshold`; a budget the user gave keeps the t
 off unless the user set it too.
 
 The blocks, not the weights, decide how many sequences fit (WARMUP §2). All arithmetic is
-refserve/capacity.py's; `plan_kv_pool` only picks its inputs, in this order of precedence:
+refserve/capacity.py's; `size_kv_pool` only picks its inputs, in this order of precedence:
 
     num_gpu_blocks_override        the user's block count, as is
     a device that reports memory   gpu_memory_utilization x total - what is in use - one
