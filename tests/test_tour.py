@@ -19,7 +19,7 @@ from refserve import tour
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-# Today: 13 files, 430 statements, 3,005 lines held (docs/architecture.md).
+# Today: 13 files, 430 statements, 2,992 lines held (docs/architecture.md).
 MAX_FILES = 14
 MAX_STATEMENTS = 520
 MAX_FILE_LINES = 3300

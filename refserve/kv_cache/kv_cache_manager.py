@@ -215,7 +215,8 @@ class KVCacheManager:
         start = seq.num_computed_tokens + len(attach) * bs
         end = start + num_new_tokens
         new = plan.num_new_blocks(end)
-        written = range(start // bs, min(len(plan), -(-end // bs))) if end > start else ()
+        written = (range(start // bs, min(len(plan), blocks_for_tokens(end, bs))) if end > start
+                   else ())
         cow = [logical for logical in written if self.allocator.ref_count(plan[logical]) > 1]
         needed = new + len(cow) + (self.prefix_cache.revive_cost(attach) if attach else 0)
         if needed and needed > self.num_available_blocks:
