@@ -26,6 +26,7 @@ print("\n\n".join(refserve.engine.__doc__.split("\n\n")[1:3]))
 import time
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 import numpy as np
 from kvpictures import before_after, snapshot
 
@@ -158,7 +159,7 @@ print("seq_id -> sampled tokens:", sampled.token_ids)
 
 Now the step is applied, and this is the ONLY place a sequence finishes:
 `num_computed_tokens` advances by the tokens computed, sampled tokens are appended one by one
-under the stop rules (EOS, stop ids, stop strings, lengths: `refserve/refserve/sequence.py`),
+under the stop rules (EOS, stop ids, stop strings, lengths: `refserve/sequence.py`),
 full computed blocks are hashed for the prefix cache, finished sequences are RETIRED and their
 blocks released. The `StepUpdate` it returns records what it decided.
 
@@ -298,9 +299,10 @@ for ax, (name, rows) in zip(axes, [("continuous", continuous), ("static", static
     used, wasted = rows[:, 0].sum(), rows[:, 1].sum()
     ax.set_title(f"{name}: {len(rows)} steps, slot-steps used {used}, wasted {wasted}")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
 axes[0].set_ylabel("seats")
 axes[0].set_yticks(range(POOL["max_num_seqs"] + 1))
-axes[0].legend(loc="lower left")
+axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, not on them
 fig.tight_layout()
 plt.show()
 """),

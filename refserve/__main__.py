@@ -11,6 +11,8 @@ ENTRY_POINTS = (
     ("python -m refserve.plan", "search configurations under SLOs; prints the vllm serve line"),
     ("python -m refserve.course", "the course: student copy and grading report"),
     ("python -m refserve.tour", "one engine step traced: the files and lines a student reads"),
+    ("python -m refserve.war_stories", "the course's war stories, one command each"),
+    ("python -m refserve.selfcheck", "the one GPU check: kernel tests, then the numbers"),
 )
 
 

@@ -359,22 +359,24 @@ def check_pool_holds_one_sequence(num_blocks: int, block_size: int, max_model_le
         f"{num_blocks * block_size}")
 
 
-def kv_budget_on_device(total: int, free: int, utilization: float,
-                        activations: int) -> tuple[int, str]:
+def kv_budget_on_device(total: int, in_use: int, utilization: float, activations: int,
+                        in_use_what: str = "weights, other processes") -> tuple[int, str]:
     """Bytes the KV pool may take on a GPU, vLLM's rule: the whole instance may use
-    utilization × the device's TOTAL memory; what is already in use (weights, CUDA context:
-    total - free) and one step's activations come off. Returns (bytes, what sized it)."""
-    in_use = total - free
+    utilization × the device's TOTAL memory; what is already in use (`in_use`: weights,
+    CUDA context, other processes; `in_use_what` names them for the messages) and one
+    step's activations come off. Returns (bytes, what sized it); raises ValueError when
+    nothing is left."""
     budget = int(total * utilization) - in_use - activations
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization={utilization}: the instance may use "
             f"{format_bytes(total * utilization)} of the device's "
-            f"{format_bytes(total)}, but {format_bytes(in_use)} is in "
-            f"use already (weights, other processes) and one step's activations need "
-            f"{format_bytes(activations)}; raise gpu_memory_utilization")
+            f"{format_bytes(total)}, but {format_bytes(in_use)} is in use already "
+            f"({in_use_what}) and one step's activations need {format_bytes(activations)}: "
+            "they do not fit; raise gpu_memory_utilization")
     return budget, (f"gpu_memory_utilization={utilization} of the device's total "
-                    f"{format_bytes(total)} (weights + activations + KV)")
+                    f"{format_bytes(total)}, {format_bytes(in_use)} in use before the pool "
+                    f"({in_use_what})")
 
 
 if __name__ == "__main__":

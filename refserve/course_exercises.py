@@ -3,9 +3,15 @@ graded (`EXERCISES`).
 
 The reference code marks the spots a student writes with comment lines:
 
-    # BEGIN EXERCISE <name>: <one-line hint>
+    # BEGIN EXERCISE <name>: <hint>
+    # ... <the hint, continued: what the region must leave defined>
     ... the reference solution (the answer key) ...
     # END EXERCISE
+
+A hint says what to compute and what the code after the region reads (the value returned,
+or the names left defined); it may continue on comment lines that start with `# ...` right
+after the BEGIN line, which are part of the marker (the first joins the hint after "; ",
+further ones continue its sentence).
 
 A region is found by its markers, by name, wherever it lives: nothing here or in the grader
 names the file an exercise is in, so code can move between files without breaking either.
@@ -20,13 +26,14 @@ that catch a mistake in it. Its selection is those files, `-m "<mechanism> and n
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE_ROOT = PACKAGE_DIR.parent  # a source checkout: tests/ and notebooks/ live here
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN EXERCISE (?P<name>[a-z][a-z0-9_]*)"
                    r"(?::\s*(?P<hint>.*\S))?\s*$")
+HINT_MORE = re.compile(r"^[ \t]*# \.\.\.\s*(?P<more>.*\S)\s*$")
 END = re.compile(r"^[ \t]*# END EXERCISE\s*$")
 # Files whose text shows the markers as an example and holds no region.
 NO_REGIONS = ("course.py", "course_exercises.py", "course_grade.py")
@@ -64,7 +71,8 @@ EXERCISES: dict[str, Grading] = {
 
 @dataclass(frozen=True)
 class Region:
-    """Lines [begin, end] (0-based, both marker lines included) of `path`."""
+    """Lines [begin, end] (0-based, both marker lines included) of `path`: the BEGIN line,
+    its `hint_lines` continuation lines, the body, the END line."""
 
     name: str
     hint: str
@@ -72,6 +80,12 @@ class Region:
     begin: int
     end: int
     indent: str
+    hint_lines: int = 0
+
+    @property
+    def body_start(self) -> int:
+        """The body's first line (after the BEGIN line and the hint's continuation)."""
+        return self.begin + 1 + self.hint_lines
 
     def stub(self) -> str:
         message = f"exercise {self.name}: {self.hint}" if self.hint else f"exercise {self.name}"
@@ -79,7 +93,7 @@ class Region:
 
     def body(self, lines: list[str]) -> list[str]:
         """The lines between the markers, from the file's `lines` (with line ends)."""
-        return lines[self.begin + 1:self.end]
+        return lines[self.body_start:self.end]
 
     def is_stub(self, lines: list[str]) -> bool:
         """The region holds only its stub (what make-student wrote): not written yet."""
@@ -96,8 +110,15 @@ def find_regions(package_dir: Path = PACKAGE_DIR) -> list[Region]:
             continue
         rel = path.relative_to(package_dir.parent)
         lines = path.read_text().splitlines(keepends=True)
-        open_at = None
+        open_at: Region | None = None  # BEGIN read, END not yet (its `end` unknown: -1)
         for i, line in enumerate(lines):
+            if open_at is not None and open_at.body_start == i and (
+                    more := HINT_MORE.match(line)):
+                # The first continuation is a new clause, later ones continue its sentence.
+                sep = "; " if open_at.hint_lines == 0 and open_at.hint else " "
+                open_at = replace(open_at, hint=open_at.hint + sep + more["more"],
+                                  hint_lines=open_at.hint_lines + 1)
+                continue
             match = BEGIN.match(line)
             if line.lstrip().startswith("# BEGIN EXERCISE") and match is None:
                 raise ValueError(f"{rel}:{i + 1}: malformed marker; write "
@@ -105,16 +126,16 @@ def find_regions(package_dir: Path = PACKAGE_DIR) -> list[Region]:
             if match:
                 if open_at is not None:
                     raise ValueError(f"{rel}:{i + 1}: BEGIN EXERCISE inside the region opened "
-                                     f"at line {open_at[0] + 1}")
-                open_at = (i, match)
+                                     f"at line {open_at.begin + 1}")
+                open_at = Region(match["name"], match["hint"] or "", rel, i, -1,
+                                 match["indent"])
             elif END.match(line):
                 if open_at is None:
                     raise ValueError(f"{rel}:{i + 1}: END EXERCISE without BEGIN")
-                start, m = open_at
-                regions.append(Region(m["name"], m["hint"] or "", rel, start, i, m["indent"]))
+                regions.append(replace(open_at, end=i))
                 open_at = None
         if open_at is not None:
-            raise ValueError(f"{rel}:{open_at[0] + 1}: BEGIN EXERCISE without END EXERCISE")
+            raise ValueError(f"{rel}:{open_at.begin + 1}: BEGIN EXERCISE without END EXERCISE")
     names = [r.name for r in regions]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -132,7 +153,7 @@ def replace_body(text: str, region: Region, body: list[str], indent: str | None 
     if body and not body[-1].endswith("\n"):
         body = [*body[:-1], body[-1] + "\n"]
     lines = text.splitlines(keepends=True)
-    lines[region.begin + 1:region.end] = body
+    lines[region.body_start:region.end] = body
     return "".join(lines)
 
 

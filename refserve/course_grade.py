@@ -12,25 +12,33 @@ Only the lines between the markers are graded; code outside them is the referenc
 One row per exercise, labelled with the mechanism it teaches (two exercises may teach the
 same one: a row per mechanism would mix them). A row's status:
 
-    pass                  every selected test passed (GPU checks without a GPU: blocked)
-    FAIL                  the first failing test, quoted in one plain line: the assertion,
-                          and for a Hypothesis test its falsifying example
+    pass                  every selected test passed (GPU checks without a GPU: blocked);
+                          its tests column reads passed/selected
+    FAIL at test F of N   the F-th of the N selected tests (collection order) is the first
+                          to fail, with how many passed before it; the line below quotes it
+                          in one plain line: the assertion, and for a Hypothesis test its
+                          falsifying example
     not done yet          the region still holds its stub, or a test reached the stub
     timed out after N s   the run was stopped (an endless loop, most likely)
 
 The tests run stopped at the first failure (`-x`) with a deterministic Hypothesis profile
 that reports one bug (tests/grading.py, `--grade-record`), so a grade repeats exactly.
 Exercises run `jobs` at a time (one per core, at most 4); with fewer exercises than jobs,
-each one's selection is split into shards run at once (`--grade-shard`), and the failure
-reported is still the first in collection order.
+each one's selection is split into shards run at once (`--grade-shard`). Every shard stops
+at its own first failure, after running all of its tests that come before the first
+failure overall, so the failure reported (the earliest in collection order) and the counts
+before it are the same however the tests were split: graded alone or in the whole grade.
 
 grade.json (`--grade-json`): `created`, `duration_s`, `copy` (the graded folder; null for
 this checkout), `reference` (this checkout), `jobs`, `timeout_s`, `exit_status` (0 when
 every graded exercise passes, else 1), `summary` (rows per status), and `exercises`: per
 exercise `mechanism`, `status` (pass / fail / not done yet / timed out), `line` (the plain
-line, "" on pass), `failed_test` (node id or null), `selected`, `passed`, `failed`,
-`skipped`, `blocked` (test counts; -x stops at the first failure), `duration_s`,
-`test_files`, `marker_expression` and `command` (the one command that grades it alone).
+line, "" on pass), `failed_test` (node id or null), `failed_at` (its place among the
+selected tests, from 1; null without a failure, 0 for a collection error), `selected`, and
+`passed`, `failed`, `skipped`, `blocked`: the tests that ran before the first failure and
+that failure (all of them when none failed), the same alone and in the whole grade;
+`duration_s`, `test_files`, `marker_expression` and `command` (the one command that grades
+it alone).
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class Row:
     status: str = "pass"
     line: str = ""
     failed_test: str | None = None
+    failed_at: int | None = None  # 1-based place of the first failure; 0: collection
     selected: int = 0
     passed: int = 0
     failed: int = 0
@@ -85,7 +94,22 @@ class Row:
             return f"timed out after {timeout_s:g} s"
         if self.status == "pass" and self.blocked:
             return "pass (some blocked: no GPU)" if self.passed else "blocked: no GPU"
-        return "FAIL" if self.status == "fail" else self.status
+        if self.status == "fail":
+            return f"FAIL {self.failed_where()}"
+        return self.status
+
+    def failed_where(self) -> str:
+        """Where the first failure is and what passed before it: "at test 5 of 28
+        (4 passed before it)". The same alone and in the whole grade."""
+        if self.failed_at is None:  # no test failed: the run itself did (a syntax error)
+            return "before any test ran"
+        if self.failed_at == 0:
+            return "while collecting the tests"
+        before = [f"{self.passed} passed"] + [f"{n} {what}" for n, what in
+                                              ((self.skipped, "skipped"),
+                                               (self.blocked, "blocked")) if n]
+        return (f"at test {self.failed_at} of {self.selected} "
+                f"({', '.join(before)} before it)")
 
 
 def grade_command(copy: Path | None, name: str | None = None) -> str:
@@ -148,33 +172,37 @@ def build_hybrid(dest: Path, ref: Region, body: list[str], indent: str) -> Path:
 
 def plain_syntax_error(e: SyntaxError, ref: Region, student: Region, copy: Path) -> str:
     """The error at its line in the student's file (the hybrid's line moved back)."""
-    offset = (e.lineno or 0) - 1 - (ref.begin + 1)  # lines into the region body
+    offset = (e.lineno or 0) - 1 - ref.body_start  # lines into the region body
     where = copy / student.path
-    if 0 <= offset < student.end - student.begin - 1:
-        where = f"{where}:{student.begin + 2 + offset}"
+    if 0 <= offset < student.end - student.body_start:
+        where = f"{where}:{student.body_start + 1 + offset}"
     return f"SyntaxError: {e.msg} ({where})"
 
 
 def pytest_command(hybrid: Path, name: str, record: Path, basetemp: Path,
                    shard: tuple[int, int] = (0, 1)) -> list[str]:
     """The exercise's selection (shard i of n of it) against `hybrid`, in a pytest that
-    loads only the grader: the notebooks' plugin (nbmake) costs a second and a half to
-    import and grades nothing here, so pyproject's addopts are replaced."""
+    loads only the grader and Hypothesis' plugin: pyproject's addopts (nbmake, for the
+    notebooks) are replaced, and `run_shards` turns off the loading of every installed
+    plugin (PYTEST_DISABLE_PLUGIN_AUTOLOAD): scanning the installed packages for them costs
+    about a second of CPU per process, and none of them grades anything."""
     grading = EXERCISES[name]
     return [sys.executable, "-m", "pytest", *grading.test_files,
             "-m", grading.marker_expression, "-o", "addopts=", "-p", "grading",
-            "-p", "no:nbmake", "-p", "no:cacheprovider", "-x", "-q", "--tb=short",
+            "-p", "_hypothesis_pytestplugin", "-p", "no:cacheprovider", "-x", "-q",
+            "--tb=short",
             f"--impl={hybrid}", f"--grade-record={record}", f"--basetemp={basetemp}",
             f"--grade-shard={shard[0]}/{shard[1]}"]
 
 
 def read_records(records: list[Path], row: Row, name: str) -> tuple[list[str], int | None]:
-    """Fill `row` from the --grade-record files of an exercise's shards: counts summed, the
-    first failure in collection order (each shard stops at its own first, so the earliest
-    of those is the earliest of all). Returns the tests started and never finished, and
-    the shard of the first failure (None: no failure)."""
+    """Fill `row` from the --grade-record files of an exercise's shards: the first failure
+    in collection order (each shard stops at its own first, so the earliest of those is the
+    earliest of all) and the outcomes of the tests before it, which every shard ran to the
+    end: so the counts do not depend on the split. Returns the tests started and never
+    finished, and the shard of the first failure (None: no failure)."""
     running: dict[str, None] = {}
-    first = None  # (index, event, shard)
+    finished = []  # (index, outcome, event, shard); a collection error has index -1
     for shard, record in enumerate(records):
         lines = record.read_text().splitlines() if record.is_file() else []
         for event in map(json.loads, filter(str.strip, lines)):
@@ -184,14 +212,18 @@ def read_records(records: list[Path], row: Row, name: str) -> tuple[list[str], i
                 running[event["start"]] = None
             elif "test" in event or "collect_error" in event:
                 running.pop(event.get("test"), None)
-                outcome = event.get("outcome", "failed")
-                setattr(row, outcome, getattr(row, outcome) + 1)
-                index = event.get("index", -1)
-                if outcome == "failed" and (first is None or index < first[0]):
-                    first = (index, event, shard)
+                finished.append((event.get("index", -1), event.get("outcome", "failed"),
+                                 event, shard))
+    failures = [f for f in finished if f[1] == "failed"]
+    first = min(failures, key=lambda f: f[0]) if failures else None
+    for index, outcome, _, _ in finished:
+        if first is None or index < first[0]:
+            setattr(row, outcome, getattr(row, outcome) + 1)
     if first is None:
         return list(running), None
-    index, event, shard = first
+    index, _, event, shard = first
+    row.failed = 1
+    row.failed_at = index + 1  # 0: a collection error, before any test
     row.failed_test = event.get("test") or event["collect_error"]
     row.line = event["line"]
     row.status = "not done yet" if name in event["not_done"] else "fail"
@@ -205,6 +237,7 @@ def run_shards(commands: list[list[str]], workdir: Path, timeout_s: float
     (negative: killed) and the outputs."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("REFSERVE_IMPL", "PYTHONPATH", "PYTEST_ADDOPTS")}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # the plugins it needs are named (-p)
     logs = [workdir / f"output{i}.txt" for i in range(len(commands))]
     procs = []
     for command, log in zip(commands, logs):
@@ -301,7 +334,7 @@ def grade(copy: Path | None, names: list[str] | None = None, jobs: int | None = 
 def format_table(rows: list[Row], timeout_s: float) -> list[str]:
     out = [f"{'exercise':<24}{'mechanism':<17}{'tests':>7}  status"]
     for row in rows:
-        tests = f"{row.passed}/{row.selected}" if row.selected else "-"
+        tests = f"{row.passed}/{row.selected}" if row.selected and row.status == "pass" else "-"
         out.append(f"{row.exercise:<24}{row.mechanism:<17}{tests:>7}  "
                    f"{row.shown_status(timeout_s)}")
         if row.status in ("fail", "timed out"):

@@ -34,9 +34,14 @@ step with k drafts emits on average
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from refserve.sequence import Sequence
 
 
 class SpecRatios:
@@ -96,6 +101,22 @@ class RequestMetrics(SpecRatios):
         if self.num_output_tokens < 2:
             return None
         return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    def record_finish(self, seqs: Iterable[Sequence], now: float) -> None:
+        """Complete the metrics of a request whose sequences all finished: the one rule of
+        the engine (output_processor) and the simulator alike. Reads each sequence's
+        `first_token_time` and `finish_time` (None: `now`), its tokens, cache hits and
+        preemptions. TPOT is per sequence (module docstring): each decoding sequence adds
+        its own finish - first token time and its tokens after the first."""
+        seqs = list(seqs)
+        self.finish_time = max(s.finish_time or now for s in seqs)
+        self.num_output_tokens = sum(s.num_output_tokens for s in seqs)
+        decoding = [s for s in seqs if s.num_output_tokens > 1
+                    and s.first_token_time is not None]
+        self.decode_time = sum((s.finish_time or now) - s.first_token_time for s in decoding)
+        self.num_decode_tokens = sum(s.num_output_tokens - 1 for s in decoding)
+        self.num_cached_tokens = seqs[0].num_cached_tokens or 0
+        self.num_preemptions = sum(s.num_preemptions for s in seqs)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ttft": self.ttft, "tpot": self.tpot,

@@ -142,6 +142,7 @@ class ModelRunner:
             s = rows[i]
             block_tables[flat, :len(s.block_ids)] = s.block_ids
             # BEGIN EXERCISE runner_prepare: a row's query tokens, positions, slots, context_len
+            # ... extend input_ids, positions and slots by n each; append to context_lens
             # (token_ids + drafts)[start:start + n]; a verify row's drafts follow its last token
             n = s.num_scheduled_tokens
             input_ids += (s.seq.token_ids[s.start:] + list(s.draft_token_ids))[:n]

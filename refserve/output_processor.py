@@ -69,20 +69,6 @@ def make_outputs(requests: dict[str, RequestState], out: SchedulerOutput,
     return [make_output(req, now) for req in touched.values()]
 
 
-def _finish_metrics(req: RequestState, now: float) -> None:
-    m = req.metrics
-    m.finish_time = max(s.finish_time or now for s in req.seqs)
-    m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
-    # TPOT is per sequence: the n samples decode side by side, so their time between
-    # tokens is each one's, not the total over n.
-    decoding = [s for s in req.seqs if s.num_output_tokens > 1
-                and s.first_token_time is not None]
-    m.decode_time = sum(s.finish_time - s.first_token_time for s in decoding)
-    m.num_decode_tokens = sum(s.num_output_tokens - 1 for s in decoding)
-    m.num_cached_tokens = req.seqs[0].num_cached_tokens or 0
-    m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
-
-
 def visible_text(seq: Sequence, hold: int) -> str:
     """The sequence's text as a caller may see it now: cut where a stop rule ended it, and
     while it runs, without the last `hold` characters (a stop string still being completed
@@ -100,7 +86,7 @@ def make_output(req: RequestState, now: float) -> RequestOutput:
     """The request's outputs so far (cumulative, as vLLM's default output kind); a finished
     request's metrics are completed first."""
     if req.finished:
-        _finish_metrics(req, now)
+        req.metrics.record_finish(req.seqs, now)
     params = req.params
     hold = (max(map(len, params.stop)) - 1
             if params.stop and not params.include_stop_str_in_output else 0)

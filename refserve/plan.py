@@ -28,10 +28,13 @@ import time
 
 from refserve.bench.common import print_table
 from refserve.capacity import KV_CACHE_DTYPES, QUANTIZATIONS
+from refserve.config import EngineConfig
+from refserve.engine_setup import resolve_token_budget
 from refserve.entrypoints.cli_common import ArgumentParser, CLIError, RawDescriptionHelpFormatter
 from refserve.simulate import (
-    add_engine_args,
+    SEARCHED,
     add_hardware_args,
+    add_simulator_args,
     engine_config,
     load_hardware,
     make_requests,
@@ -41,8 +44,6 @@ from refserve.simulate import (
     workload_name,
 )
 
-VLLM_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "block_size": 16,
-                 "gpu_memory_utilization": 0.9, "enable_prefix_caching": True}
 PRECISION_DEFAULTS = {"quantization": None, "kv_cache_dtype": "auto"}
 
 
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bisection stops when the rate is known to this fraction")
     k.add_argument("--headroom", type=float, default=0.1,
                    help="plan this fraction below the edge, verified on two other seeds")
-    add_engine_args(p, search=True)
+    add_simulator_args(p, search=True)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -156,8 +157,18 @@ def _check(args) -> None:
         raise CLIError(f"--gpu-memory-utilization {bad[0]}: must be in (0, 1]")
 
 
+def engine_defaults(gpu) -> dict:
+    """The searched knobs' defaults: the engine's, with the token budget of the backend the
+    GPU profile stands for (on a GPU, vLLM's: config.py)."""
+    from refserve.simulator.engine import simulated_backend
+
+    config = resolve_token_budget(EngineConfig(), simulated_backend(gpu))[0]
+    return {k: getattr(config, k) for k in SEARCHED}
+
+
 def _start(values: list, default):
-    """The search starts at vLLM's default when the space holds it, else in the middle."""
+    """The search starts at the engine's default when the space holds it, else in the
+    middle."""
     return default if default in values else values[len(values) // 2]
 
 
@@ -213,7 +224,7 @@ def run(args) -> int:
     model, gpu = load_hardware(args)
     slo = SLO(args.slo_ttft_p99, args.slo_tpot_p99)
     base = engine_config(args, **{k: _start(getattr(args, k), d)
-                                  for k, d in VLLM_DEFAULTS.items()})
+                                  for k, d in engine_defaults(gpu).items()})
     max_model_len = base.max_model_len or model.max_position_embeddings
     if not base.enable_chunked_prefill and any(
             t < max_model_len for t in args.max_num_batched_tokens):
@@ -245,7 +256,7 @@ def run(args) -> int:
                       seed=args.seed, tolerance=args.tolerance, on_simulation=on_simulation,
                       engine_overheads=args.engine, served=args.served,
                       num_scheduler_steps=args.num_scheduler_steps)
-    knobs = {k: getattr(args, k) for k in (*VLLM_DEFAULTS, *PRECISION_DEFAULTS)}
+    knobs = {k: getattr(args, k) for k in (*SEARCHED, *PRECISION_DEFAULTS)}
     precision = {k: _start(getattr(args, k), d) for k, d in PRECISION_DEFAULTS.items()}
     print(f"plan: {model.name} on {gpu.name}; "
           f"{workload_name(args) if not args.replay else args.replay}"

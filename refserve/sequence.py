@@ -292,6 +292,7 @@ def append_tokens(seq: Sequence, token_ids: list[int], eos_token_id: int | None,
             detok.update(seq.output_token_ids)
         if seq.num_output_tokens > params.min_tokens:
             # BEGIN EXERCISE stop_rules: stop ids and EOS, then stop strings in the new text
+            # ... a stop returns FINISHED_STOPPED with seq.stop_reason and output_text_end set
             if token_id in params.stop_token_ids or (
                     token_id == eos_token_id and not params.ignore_eos):
                 if token_id != eos_token_id or params.ignore_eos:

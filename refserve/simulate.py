@@ -8,7 +8,12 @@ the roofline cost model says it costs on the GPU (refserve/simulator/). It print
 assumptions (every GPU number with its source), the real engine's summary line, latency
 percentiles and the cost per million output tokens. --json writes every number, --plot a
 chart (batch and queue, KV blocks, TTFT and TPOT distributions), --trace a Chrome
-trace-event timeline (https://ui.perfetto.dev). Engine flags have vLLM's names.
+trace-event timeline (https://ui.perfetto.dev).
+
+The engine flags are the engine's own (refserve/entrypoints/engine_args.py: vLLM's names),
+with its defaults; where a default depends on the backend (the token budget and the
+prefill cap), a GPU profile stands for the CuPy backend (vLLM's defaults) and
+`--gpu this-machine` for the tuned CPU backend.
 
 A mistake is one `error: ...` line, exit status 2, found before the simulation starts.
 """
@@ -25,15 +30,15 @@ from pathlib import Path
 from refserve.bench.common import print_table
 from refserve.benchmark_datasets import RANDOM_FLAGS, add_random_arguments, resolve_workload
 from refserve.capacity import KV_CACHE_DTYPES, QUANTIZATIONS
-from refserve.config import BATCHING, DTYPES, KV_CACHE_LAYOUTS, EngineConfig
+from refserve.config import EngineConfig
 from refserve.entrypoints.cli_common import (
     EXIT_USAGE,
     ArgumentParser,
     CLIError,
     RawDescriptionHelpFormatter,
     check_output_path,
-    json_object,
 )
+from refserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from refserve.simulator.engine_overheads import DEFAULT_ENGINE, engine_names
 from refserve.simulator.report import downsample, latency_table, plot, usd_per_million
 
@@ -100,48 +105,40 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0, help="seed of the workload")
 
 
-def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
-    """The engine flags with vLLM's names (plan leaves out the ones it searches)."""
-    e = p.add_argument_group("engine: vLLM's names and meanings")
+# Engine flags the simulator gives a meaning of its own, declared here, not taken from
+# entrypoints/engine_args.py: --model names a preset or a config.json (a model's shape, no
+# weights), --seed seeds the workload and the accept draws, --tensor-parallel-size
+# simulates that many GPUs (the engine runs on one), and no --backend: the --gpu profile
+# stands for one (simulator/engine.py: simulated_backend), whose defaults apply.
+OWN_MEANING = ("model", "seed", "tensor_parallel_size", "backend")
+# The engine knobs plan searches (its own comma-separated flags of the same names).
+SEARCHED = ("max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
+            "enable_prefix_caching")
+
+
+def add_simulator_args(p: argparse.ArgumentParser, search: bool = False) -> None:
+    """The engine's flags (entrypoints/engine_args.py, all but OWN_MEANING) and the
+    simulated engine's own: precision, host costs, multi-step, speculation's α. `search`:
+    plan's, which declares the knobs it searches itself (as comma-separated lists)."""
+    add_engine_args(p, exclude=OWN_MEANING + (SEARCHED if search else ()))
+    v = p.add_argument_group("simulated engine: vLLM's names beyond refserve's engine")
     if not search:
-        e.add_argument("--tensor-parallel-size", type=int, default=1)
-        e.add_argument("--max-num-seqs", type=int, default=256)
-        e.add_argument("--max-num-batched-tokens", type=int, default=8192)
-        e.add_argument("--block-size", type=int, default=16)
-        e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=True)
-    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True, help="--no-enable-chunked-prefill: prefill-first steps, "
-                   "decodes wait (vLLM V0's schedule)")
-    e.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: every step pays the eager kernel launches")
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    e.add_argument("--dtype", default="auto", choices=DTYPES)
-    if not search:
-        e.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+        v.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="GPUs the model is sharded over (the simulated ones)")
+        v.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="fp8: one byte per weight, GEMMs at the profile's fp8 peak")
-        e.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+        v.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="fp8: one byte per cached K/V element (the pool holds twice "
                        "the tokens)")
-    e.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
-                   help="vLLM's dict, e.g. '{\"method\": \"ngram\", "
-                   "\"num_speculative_tokens\": 4}'; a draft_model is \"self\" (with "
-                   "num_draft_layers), a preset or a config.json")
-    r = p.add_argument_group("engine: refserve's own")
-    r.add_argument("--batching", default="continuous", choices=BATCHING)
-    r.add_argument("--kv-cache-layout", default="paged", choices=KV_CACHE_LAYOUTS)
-    r.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3,
-                   help="KV pool of --gpu this-machine (the CPU backends' knob)")
-    r.add_argument("--engine", default=DEFAULT_ENGINE, choices=engine_names(),
-                   help="whose host costs to price (scheduling, sampling, launches): an "
-                   "entry of refserve/simulator/engines.toml")
-    e.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+    v.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
                    help="vLLM V0's multi-step scheduling: one scheduler call, then N decode "
                    "steps of the same batch; new requests wait for the round to end and a "
                    "round's tokens reach the client together (refserve/simulator/"
                    "multi_step.py)")
+    r = p.add_argument_group("simulated engine: refserve's own")
+    r.add_argument("--engine", default=DEFAULT_ENGINE, choices=engine_names(),
+                   help="whose host costs to price (scheduling, sampling, launches): an "
+                   "entry of refserve/simulator/engines.toml")
     r.add_argument("--served", action="store_true",
                    help="price an HTTP front end streaming every token (a served run, as "
                    "vLLM's benchmark_serving measures)")
@@ -153,19 +150,10 @@ def add_engine_args(p: argparse.ArgumentParser, search: bool = False) -> None:
 
 
 def engine_config(args, **overrides) -> EngineConfig:
-    fields = dict(
-        max_model_len=args.max_model_len, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        dtype=args.dtype, batching=args.batching, kv_cache_layout=args.kv_cache_layout,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        speculative_config=args.speculative_config,
-        enable_chunked_prefill=args.enable_chunked_prefill, enforce_eager=args.enforce_eager)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "gpu_memory_utilization", "enable_prefix_caching"):
-        if hasattr(args, name):
-            fields[name] = getattr(args, name)
-    fields.update(overrides)
+    """The EngineConfig of the parsed engine flags (plus `overrides`); a bad value is a
+    CLIError. The budget left None is the backend's the profile stands for."""
     try:
-        return EngineConfig(**fields)
+        return engine_config_from_args(args, exclude=OWN_MEANING, **overrides)
     except ValueError as e:
         raise CLIError(str(e)) from None
 
@@ -313,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="SECONDS",
                    help="with --slo-tpot: report goodput (requests/s within both SLOs)")
     w.add_argument("--slo-tpot", type=_positive_float, default=None, metavar="SECONDS")
-    add_engine_args(p)
+    add_simulator_args(p)
     o = p.add_argument_group("output")
     for name, help_ in (("json", "every number"), ("plot", "a PNG chart"),
                         ("trace", "Chrome trace-event JSON (Perfetto, chrome://tracing)")):

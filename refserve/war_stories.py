@@ -46,9 +46,9 @@ class SimStory:
 
     title: str
     common: tuple[str, ...]
-    variants: tuple[tuple[str, tuple[str, ...]], ...]   # (label, flags)
-    columns: tuple[str, ...]                            # keys of COLUMNS
-    lesson: Callable[[list[dict]], str]
+    variants: tuple[tuple[str, str, tuple[str, ...]], ...]  # (name, label, flags)
+    columns: tuple[str, ...]                                # keys of COLUMNS
+    lesson: Callable[[dict[str, dict]], str]                # variant name -> its row
 
 
 def _s(ms: float) -> str:
@@ -84,53 +84,59 @@ STORIES: dict[str, SimStory] = {
         "tokens arrive at 3 per second",
         (*SIM, "--workload", "long-context", "--rate", "3", "--num-requests", "300",
          "--max-model-len", "8192"),
-        (("max_num_seqs 256 (vLLM's default)", ("--max-num-seqs", "256")),
-         ("max_num_seqs 53 (what the pool holds)", ("--max-num-seqs", "53"))),
+        (("uncapped", "max_num_seqs 256 (vLLM's default)", ("--max-num-seqs", "256")),
+         ("capped", "max_num_seqs 53 (what the pool holds)", ("--max-num-seqs", "53"))),
         ("blocks", "preemptions", "ttft_s", "tpot", "itl_max", "tok_s"),
-        lambda r: (f"capped: preemptions {r[0]['preemptions']} -> {r[1]['preemptions']}, "
-                   f"longest gap between tokens {r[0]['ITL']['max']:.0f} -> "
-                   f"{r[1]['ITL']['max']:.0f} ms, TPOT p99 {r[0]['TPOT'][99]:.1f} -> "
-                   f"{r[1]['TPOT'][99]:.1f} ms; the queue waits instead: TTFT p99 "
-                   f"{_s(r[0]['TTFT'][99])} -> {_s(r[1]['TTFT'][99])}")),
+        lambda v: (f"capped: preemptions {v['uncapped']['preemptions']} -> "
+                   f"{v['capped']['preemptions']}, longest gap between tokens "
+                   f"{v['uncapped']['ITL']['max']:.0f} -> {v['capped']['ITL']['max']:.0f} ms, "
+                   f"TPOT p99 {v['uncapped']['TPOT'][99]:.1f} -> "
+                   f"{v['capped']['TPOT'][99]:.1f} ms; the queue waits instead: TTFT p99 "
+                   f"{_s(v['uncapped']['TTFT'][99])} -> {_s(v['capped']['TTFT'][99])}")),
     "static": SimStory(
         "The one long answer: 1000 chat requests (answers of 16-512 tokens, long-tailed) "
         "sent at once",
         (*SIM, "--workload", "chat", "--rate", "inf", "--num-requests", "1000"),
-        (("static", ("--batching", "static")), ("continuous", ("--batching", "continuous"))),
+        (("static", "static", ("--batching", "static")),
+         ("continuous", "continuous", ("--batching", "continuous"))),
         ("done", "tok_s", "slots", "ttft_s", "tpot"),
-        lambda r: (f"the same useful slot-steps; static wastes {r[0]['wasted_share']:.0%} of "
-                   f"its seats on finished answers, takes "
-                   f"{_ratio(r[0]['elapsed'], r[1]['elapsed'])} as long, and its TTFT p99 is "
-                   f"{_ratio(r[0]['TTFT'][99], r[1]['TTFT'][99])} continuous's")),
+        lambda v: (f"the same useful slot-steps; static wastes "
+                   f"{v['static']['wasted_share']:.0%} of its seats on finished answers, takes "
+                   f"{_ratio(v['static']['elapsed'], v['continuous']['elapsed'])} as long, and "
+                   f"its TTFT p99 is "
+                   f"{_ratio(v['static']['TTFT'][99], v['continuous']['TTFT'][99])} "
+                   f"continuous's")),
     "prefix": SimStory(
         "The prefix nobody was sharing: 200 requests with one 1500-token system prompt, "
         "sent at once",
         (*SIM, "--workload", "system-prompt", "--rate", "inf", "--num-requests", "200"),
-        (("prefix caching on", ("--enable-prefix-caching",)),
-         ("prefix caching off", ("--no-enable-prefix-caching",))),
+        (("on", "prefix caching on", ("--enable-prefix-caching",)),
+         ("off", "prefix caching off", ("--no-enable-prefix-caching",))),
         ("peak_gib", "hit", "ttft_ms", "tpot", "done"),
-        lambda r: (f"without caching the pool holds {_ratio(r[1]['peak'], r[0]['peak'])} the "
-                   f"blocks; TTFT p99 {r[1]['TTFT'][99]:.0f} -> {r[0]['TTFT'][99]:.0f} ms with "
-                   f"it ({_ratio(r[1]['TTFT'][99], r[0]['TTFT'][99])} lower), done in "
-                   f"{r[1]['elapsed']:.2f} -> {r[0]['elapsed']:.2f} s")),
+        lambda v: (f"without caching the pool holds {_ratio(v['off']['peak'], v['on']['peak'])}"
+                   f" the blocks; TTFT p99 {v['off']['TTFT'][99]:.0f} -> "
+                   f"{v['on']['TTFT'][99]:.0f} ms with it "
+                   f"({_ratio(v['off']['TTFT'][99], v['on']['TTFT'][99])} lower), done in "
+                   f"{v['off']['elapsed']:.2f} -> {v['on']['elapsed']:.2f} s")),
     "chunked": SimStory(
         "The chunked-prefill rescue: 300 long documents (prompts of 2048-6144 tokens) at 5 "
         "per second",
         (*SIM, "--workload", "long-document", "--rate", "5", "--num-requests", "300"),
-        (("prefill-first", ("--max-num-batched-tokens", "8192",
-                            "--no-enable-chunked-prefill")),
-         ("mixed, budget 8192", ("--max-num-batched-tokens", "8192")),
-         ("chunked, budget 2048", ("--max-num-batched-tokens", "2048")),
-         ("chunked, budget 512", ("--max-num-batched-tokens", "512"))),
+        (("prefill_first", "prefill-first", ("--max-num-batched-tokens", "8192",
+                                             "--no-enable-chunked-prefill")),
+         ("mixed", "mixed, budget 8192", ("--max-num-batched-tokens", "8192")),
+         ("chunked", "chunked, budget 2048", ("--max-num-batched-tokens", "2048")),
+         ("small", "chunked, budget 512", ("--max-num-batched-tokens", "512"))),
         ("itl", "tpot", "ttft_ms"),
-        lambda r: (f"a 2048-token budget: ITL p99 {r[0]['ITL'][99]:.0f} / "
-                   f"{r[1]['ITL'][99]:.0f} -> {r[2]['ITL'][99]:.0f} ms "
-                   f"({_ratio(r[0]['ITL'][99], r[2]['ITL'][99])} and "
-                   f"{_ratio(r[1]['ITL'][99], r[2]['ITL'][99])} lower than prefill-first and "
-                   f"mixed) for TTFT p50 {r[0]['TTFT'][50]:.0f} / {r[1]['TTFT'][50]:.0f} -> "
-                   f"{r[2]['TTFT'][50]:.0f} ms; at 512 the steps are shorter still (ITL p99 "
-                   f"{r[3]['ITL'][99]:.0f} ms) but too many: the prompts queue, TTFT p50 "
-                   f"{_s(r[3]['TTFT'][50])}")),
+        lambda v: (f"a 2048-token budget: ITL p99 {v['prefill_first']['ITL'][99]:.0f} / "
+                   f"{v['mixed']['ITL'][99]:.0f} -> {v['chunked']['ITL'][99]:.0f} ms "
+                   f"({_ratio(v['prefill_first']['ITL'][99], v['chunked']['ITL'][99])} and "
+                   f"{_ratio(v['mixed']['ITL'][99], v['chunked']['ITL'][99])} lower than "
+                   f"prefill-first and mixed) for TTFT p50 "
+                   f"{v['prefill_first']['TTFT'][50]:.0f} / {v['mixed']['TTFT'][50]:.0f} -> "
+                   f"{v['chunked']['TTFT'][50]:.0f} ms; at 512 the steps are shorter still "
+                   f"(ITL p99 {v['small']['ITL'][99]:.0f} ms) but too many: the prompts queue, "
+                   f"TTFT p50 {_s(v['small']['TTFT'][50])}")),
 }
 NAMES = ("oom", "static", "speculation", "speculation-sim", "prefix", "chunked")
 
@@ -173,14 +179,14 @@ def run_simulated(story: SimStory, progress: bool = True) -> None:
 
     print(story.title)
     print("python -m refserve.simulate " + " ".join(story.common) + " plus:")
-    rows = []
-    for label, flags in tqdm(story.variants, desc="simulating", unit="run",
-                             disable=not progress):
+    rows: dict[str, dict] = {}
+    for name, label, flags in tqdm(story.variants, desc="simulating", unit="run",
+                                   disable=not progress):
         print(f"  {label:<40} {' '.join(flags)}")
-        rows.append({"variant": label, **simulate_row([*story.common, *flags])})
+        rows[name] = {"variant": label, **simulate_row([*story.common, *flags])}
     print()
     table = [{"variant": r["variant"], **{c: COLUMNS[c][1](r) for c in story.columns}}
-             for r in rows]
+             for r in rows.values()]
     print_table(table, [("variant", "", "")] + [(c, COLUMNS[c][0], "") for c in story.columns])
     print(f"lesson: {story.lesson(rows)}")
 

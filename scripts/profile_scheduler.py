@@ -18,6 +18,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from refserve.capacity import blocks_for_tokens
 from refserve.entrypoints.cli_common import ArgumentParser, RawDescriptionHelpFormatter
 from refserve.kv_cache import KVCacheManager
 from refserve.sampling_params import SamplingParams
@@ -26,7 +27,8 @@ from refserve.sequence import Sequence
 
 
 def decoding_scheduler(running: int, context: int, block_size: int = 16) -> Scheduler:
-    kv = KVCacheManager(running * (context // block_size + 64), block_size)
+    # Each sequence holds its prompt's blocks, with room for 64 more to grow into.
+    kv = KVCacheManager(running * (blocks_for_tokens(context, block_size) + 64), block_size)
     sched = Scheduler(running, max(8192, running), kv, 2 * context + 4096)
     rng = np.random.default_rng(0)
     for i in range(running):

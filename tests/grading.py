@@ -364,6 +364,15 @@ def pytest_configure(config):
                                       "refserve-grade-recorder")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """nbmake (it runs the notebooks: `--nbmake` in pyproject's addopts) prints an
+    advertisement at the end of every run while its option is on. Every notebook was
+    collected long before this, so turning the option off now only drops that line."""
+    if getattr(config.option, "nbmake", False):
+        config.option.nbmake = False
+
+
 def pytest_report_header(config):
     impl = getattr(config, "_refserve_impl", None)
     return [f"refserve under test: {impl} (--impl)"] if impl else []

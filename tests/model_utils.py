@@ -10,6 +10,42 @@ from refserve.backends.numpy_backend import NumpyBackend
 from refserve.model_runner import ModelRunner
 
 
+def save_numpy_llama(folder, vocab_size: int = 97, hidden_size: int = 48,
+                     intermediate_size: int = 96, num_layers: int = 2, num_heads: int = 4,
+                     num_kv_heads: int = 2, max_position_embeddings: int = 256,
+                     init_std: float = 0.02, seed: int = 0, eos_token_id: int | None = None):
+    """A tiny random Llama (GQA, tied embeddings, no tokenizer) written with NumPy alone:
+    config.json and model.safetensors in `folder`, which is returned. For the tests that
+    need some model but not transformers' weights: importing torch and transformers costs
+    seconds, which a course exercise graded alone should not pay. Norm weights are
+    1 + N(0, 0.1) so they are really read; a large `init_std` (0.3) makes greedy text
+    varied rather than one token repeated."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(model_type="llama", vocab_size=vocab_size, hidden_size=hidden_size,
+                  intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=eos_token_id)
+    (folder / "config.json").write_text(json.dumps(config))
+    from refserve.models.config import LlamaConfig
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in LlamaConfig.from_hf_dict(config).expected_tensor_shapes().items():
+        if name.endswith("norm.weight"):
+            tensors[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            tensors[name] = (init_std * rng.standard_normal(shape)).astype(np.float32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
 def save_tiny_hf_model(tmp_path, model_type="llama", tie=True, num_kv_heads=2, bias=None,
                        seed=0):
     """Create a tiny random transformers model, save it as safetensors, return (folder, hf)."""
@@ -51,13 +87,18 @@ def hf_logits(hf_model, token_ids) -> np.ndarray:
 
 
 def row(token_ids, start, num_scheduled_tokens, block_ids, num_logits=1, draft_token_ids=()):
-    """A scheduled row as the runner reads it (duck-typed `ScheduledSequence`): the sequence
-    holds `token_ids`, the row computes [start, start + num_scheduled_tokens) of token_ids +
-    drafts."""
-    seq = SimpleNamespace(token_ids=list(token_ids), num_computed_tokens=start)
-    return SimpleNamespace(seq=seq, start=start, num_scheduled_tokens=num_scheduled_tokens,
-                           block_ids=list(block_ids), num_logits=num_logits,
-                           draft_token_ids=tuple(draft_token_ids))
+    """A scheduled row as the runner reads it: a `ScheduledSequence` whose sequence holds
+    `token_ids` (as its prompt, `start` of them computed) and computes [start, start +
+    num_scheduled_tokens) of token_ids + drafts."""
+    from refserve.sampling_params import SamplingParams
+    from refserve.scheduler.output import ScheduledSequence
+    from refserve.sequence import Sequence
+
+    seq = Sequence("r", list(token_ids), SamplingParams())
+    seq.num_computed_tokens = start
+    return ScheduledSequence(seq=seq, start=start, num_scheduled_tokens=num_scheduled_tokens,
+                             num_logits=num_logits, block_ids=list(block_ids),
+                             draft_token_ids=tuple(draft_token_ids))
 
 
 def run_step(runner, rows, block_copies=()):

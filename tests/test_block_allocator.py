@@ -8,8 +8,8 @@ from refserve.kv_cache.block_allocator import BlockAllocator as DirectBlockAlloc
 
 def test_allocate_in_order_then_exhaust():
     allocator = BlockAllocator(3)
-    assert [allocator.allocate() for _ in range(3)] == [0, 1, 2]
-    assert allocator.num_available_blocks == 0
+    assert [allocator.allocate() for _ in range(3)] == [0, 1, 2], "allocated in id order"
+    assert allocator.num_available_blocks == 0, "3 of 3 blocks allocated"
     with pytest.raises(NoFreeBlocksError):
         allocator.allocate()
     allocator.check_invariants()
@@ -23,20 +23,23 @@ def test_decref_to_zero_goes_to_tail_and_to_front_goes_to_head():
     allocator = BlockAllocator(4)
     a, b = allocator.allocate(), allocator.allocate()  # 0, 1; available queue [2, 3]
     allocator.decref(a)
-    assert list(allocator.available_block_ids()) == [2, 3, a]
+    queue = list(allocator.available_block_ids())
+    assert queue == [2, 3, a], f"available queue {queue} after decref({a}): {a} joins the tail"
     allocator.decref(b, to_front=True)
-    assert list(allocator.available_block_ids()) == [b, 2, 3, a]
-    assert allocator.allocate() == b
+    queue = list(allocator.available_block_ids())
+    assert queue == [b, 2, 3, a], \
+        f"available queue {queue} after decref({b}, to_front=True): {b} joins the head"
+    assert allocator.allocate() == b, "allocate takes the head of the queue"
     allocator.check_invariants()
 
 
 def test_incref_revives_a_block_from_the_middle_of_the_available_queue():
     allocator = BlockAllocator(5)
-    assert list(allocator.available_block_ids()) == [0, 1, 2, 3, 4]
+    assert list(allocator.available_block_ids()) == [0, 1, 2, 3, 4], "a new pool's queue"
     allocator.incref(2)  # a prefix-cache hit on an evictable block
-    assert allocator.ref_count(2) == 1
-    assert list(allocator.available_block_ids()) == [0, 1, 3, 4]
-    assert 2 not in allocator.available_block_ids()
+    assert allocator.ref_count(2) == 1, f"ref count of block 2: {allocator.ref_count(2)}"
+    queue = list(allocator.available_block_ids())
+    assert queue == [0, 1, 3, 4], f"available queue {queue}: block 2 is held again"
     allocator.check_invariants()
 
 
@@ -44,11 +47,13 @@ def test_shared_block_is_available_only_after_the_last_holder_lets_go():
     allocator = BlockAllocator(2)
     block = allocator.allocate()
     allocator.incref(block)
-    assert allocator.ref_count(block) == 2
-    assert allocator.decref(block) is False
-    assert block not in allocator.available_block_ids()
-    assert allocator.decref(block) is True
-    assert block in allocator.available_block_ids()
+    assert allocator.ref_count(block) == 2, f"ref count {allocator.ref_count(block)}"
+    assert allocator.decref(block) is False, \
+        "decref from 2 returns False: another holder keeps the block"
+    assert block not in allocator.available_block_ids(), \
+        "a block with ref count 1 must not be in the available queue"
+    assert allocator.decref(block) is True, "decref from 1 returns True: the block is free"
+    assert block in allocator.available_block_ids(), "at ref count 0 it is available"
     allocator.check_invariants()
 
 

@@ -27,9 +27,12 @@ GiB = 2**30
 def test_blocks_for_1000_tokens():
     assert blocks_for_tokens(1000, 16) == 63
     assert last_block_fill(1000, 16) == 8
-    assert blocks_for_tokens(0, 16) == 0 and last_block_fill(0, 16) == 0
-    assert blocks_for_tokens(16, 16) == 1 and last_block_fill(16, 16) == 16
-    assert blocks_for_tokens(17, 16) == 2 and last_block_fill(17, 16) == 1
+    assert blocks_for_tokens(0, 16) == 0
+    assert last_block_fill(0, 16) == 0
+    assert blocks_for_tokens(16, 16) == 1
+    assert last_block_fill(16, 16) == 16
+    assert blocks_for_tokens(17, 16) == 2
+    assert last_block_fill(17, 16) == 1
 
 
 def test_blocks_for_tokens_is_exact_past_float_precision():

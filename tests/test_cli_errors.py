@@ -173,11 +173,22 @@ def test_ctrl_c_prints_what_finished_and_the_summary(tiny, tmp_path):
 
 
 def test_python_m_refserve_lists_the_entry_points():
+    """Every top-level module that runs as a command (an `if __name__ == "__main__":`
+    block) is listed, and so is the bench package; capacity_cli is `refserve.capacity`'s."""
+    from pathlib import Path
+
+    import refserve
+
     r = subprocess.run([sys.executable, "-m", "refserve"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0
-    for name in ("refserve.generate", "refserve.serve", "refserve.bench", "refserve.capacity"):
-        assert f"python -m {name}" in r.stdout
+    package = Path(refserve.__file__).parent
+    commands = {f"refserve.{p.stem}" for p in package.glob("*.py")
+                if 'if __name__ == "__main__":' in p.read_text()}
+    commands -= {"refserve.__main__", "refserve.capacity_cli"}
+    assert len(commands) >= 9
+    for name in sorted(commands) + ["refserve.bench"]:
+        assert f"python -m {name} " in r.stdout, f"python -m refserve does not list {name}"
 
 
 def test_capacity_cli_reads_the_dtype_and_warns(tiny, capsys):

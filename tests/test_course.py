@@ -84,6 +84,23 @@ def test_blank_regions_keeps_markers_and_indentation():
                    "    # END EXERCISE\n")
 
 
+def test_a_hint_continues_on_its_marker_lines_and_stays_in_the_copy(tmp_path):
+    """`# ...` lines right after BEGIN continue the hint (what the region leaves defined):
+    they are part of the marker, so the stub replaces only the body below them."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    text = ("def f(x):\n    # BEGIN EXERCISE demo: add one\n    # ... leave y defined\n"
+            "    # ... (an int)\n    y = x + 1\n    # END EXERCISE\n    return y\n")
+    (package / "m.py").write_text(text)
+    (region,) = course.find_regions(package)
+    assert region.hint == "add one; leave y defined (an int)"
+    assert (region.begin, region.body_start, region.end) == (1, 4, 5)
+    assert course.blank_regions(text, [region]).splitlines()[1:6] == [
+        "    # BEGIN EXERCISE demo: add one", "    # ... leave y defined", "    # ... (an int)",
+        f"    raise NotImplementedError({'exercise demo: ' + region.hint!r})",
+        "    # END EXERCISE"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("# BEGIN EXERCISE a: x\npass\n", "without END"),
     ("pass\n# END EXERCISE\n", "without BEGIN"),
@@ -115,9 +132,9 @@ def test_student_copy_imports_and_every_region_is_blanked(tmp_path):
     assert sorted(blanked) == sorted(names)
     for r in blanked.values():
         lines = (dest / r.path).read_text().splitlines(keepends=True)
-        assert lines[r.begin + 1:r.end] == [r.stub()], (
+        assert lines[r.body_start:r.end] == [r.stub()], (
             f"exercise {r.name}: the copy's region must hold only the stub, got "
-            f"{lines[r.begin + 1:r.end]}")
+            f"{lines[r.body_start:r.end]}")
     for extra in ("tests/grading.py", "notebooks/build_notebooks.py", "pyproject.toml",
                   "EXERCISES.md"):
         assert (dest / extra).is_file(), f"the student copy lacks {extra}"
@@ -184,7 +201,7 @@ def test_one_correct_one_wrong_one_blank_exercise_each_reads_on_its_own_row(tmp_
     proc = subprocess.run([sys.executable, "-m", "refserve.course", "grade", str(dest),
                            *(f"--exercise={n}" for n in names), "--grade-json",
                            str(tmp_path / "g.json"), "-v"],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "g.json").read_text())["exercises"]
@@ -201,14 +218,52 @@ def test_one_correct_one_wrong_one_blank_exercise_each_reads_on_its_own_row(tmp_
     assert wrong["failed_test"].split("::")[1] in report
     assert "---- append_rule:" not in proc.stdout
     assert rows["blocks_for_tokens"]["status"] == "not done yet"
+    # The row says where the first failure is and what passed before it.
+    assert wrong["failed_at"] == wrong["passed"] + 1 and wrong["failed"] == 1
+    assert (f"{'allocator_decref':<24}{'allocator':<17}{'-':>7}  FAIL at test "
+            f"{wrong['failed_at']} of {wrong['selected']} ({wrong['passed']} passed before it)"
+            ) in proc.stdout.splitlines()
     # One exercise alone on 2 cores: its tests split in two processes, and the failure
-    # reported is still the first in collection order.
+    # reported is still the first in collection order, with the same counts.
     (sharded,) = course_grade.grade(dest, ["allocator_decref"], jobs=2)
-    assert (sharded.failed_test, sharded.line) == (wrong["failed_test"], wrong["line"])
+    assert (sharded.failed_test, sharded.line, sharded.failed_at, sharded.passed,
+            sharded.selected) == (wrong["failed_test"], wrong["line"], wrong["failed_at"],
+                                  wrong["passed"], wrong["selected"])
     # This checkout graded the same way: its own regions pass.
     (row,) = course_grade.grade(None, ["append_rule"])
     assert row.status == "pass" and row.command == course_grade.grade_command(None,
                                                                               "append_rule")
+
+
+def test_a_failing_row_counts_what_ran_before_its_first_failure_however_split(tmp_path):
+    """Each shard stops at its own first failure; the row counts the tests before the first
+    failure overall, which every shard ran, so one split or two read the same."""
+    def record(path, events):
+        path.write_text("".join(json.dumps(e) + "\n" for e in events))
+        return path
+
+    def test(index, outcome):
+        return {"test": f"t.py::t{index}", "index": index, "outcome": outcome,
+                "line": f"AssertionError: t{index}" if outcome == "failed" else "",
+                "not_done": []}
+
+    two = [record(tmp_path / "a.jsonl", [{"selected": 3}, test(0, "passed"),
+                                         test(2, "skipped"), test(4, "failed")]),
+           record(tmp_path / "b.jsonl", [{"selected": 3}, test(1, "passed"),
+                                         test(3, "failed")])]
+    one = [record(tmp_path / "c.jsonl", [{"selected": 6}, test(0, "passed"),
+                                         test(1, "passed"), test(2, "skipped"),
+                                         test(3, "failed")])]
+    rows = []
+    for records in (two, one):
+        row = course_grade.Row("demo", "capacity")
+        course_grade.read_records(records, row, "demo")
+        rows.append(row)
+        assert (row.failed_at, row.passed, row.skipped, row.failed, row.selected) == \
+            (4, 2, 1, 1, 6)
+        assert row.failed_test == "t.py::t3" and row.line == "AssertionError: t3"
+        assert row.shown_status(60) == "FAIL at test 4 of 6 (2 passed, 1 skipped before it)"
+    assert course_grade.format_table(rows[:1], 60)[1].split()[2] == "-"
 
 
 def test_the_hybrid_is_the_reference_but_for_the_one_region(tmp_path):
@@ -225,9 +280,9 @@ def test_the_hybrid_is_the_reference_but_for_the_one_region(tmp_path):
             assert text == path.read_text(), f"{rel} differs from the reference"
             continue
         ours, theirs = path.read_text().splitlines(), text.splitlines()
-        assert theirs[:reference.begin + 1] == ours[:reference.begin + 1]
-        assert theirs[reference.begin + 1] == body[0].rstrip("\n")
-        assert theirs[reference.begin + 2:] == ours[reference.end:]
+        assert theirs[:reference.body_start] == ours[:reference.body_start]
+        assert theirs[reference.body_start] == body[0].rstrip("\n")
+        assert theirs[reference.body_start + 1:] == ours[reference.end:]
 
 
 def test_a_region_that_does_not_compile_fails_its_row_and_says_where(tmp_path):
@@ -237,7 +292,8 @@ def test_a_region_that_does_not_compile_fails_its_row_and_says_where(tmp_path):
     (row,) = course_grade.grade(dest, ["blocks_for_tokens"])
     region = {r.name: r for r in find_regions(dest / "refserve")}["blocks_for_tokens"]
     assert row.status == "fail" and row.line.startswith("SyntaxError: ")
-    assert row.line.endswith(f"({dest.resolve() / region.path}:{region.begin + 3})"), row.line
+    assert row.line.endswith(f"({dest.resolve() / region.path}:{region.body_start + 2})"), \
+        row.line
 
 
 def test_an_exercise_that_hangs_fails_as_timed_out(tmp_path):
@@ -322,15 +378,12 @@ def test_the_sheet_and_list_give_the_one_command_per_exercise(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_every_wrong_body_fails_its_own_row_in_plain_words_and_no_other(tmp_path):
-    """Each plausible mistake in tests/course_mutants.py, graded in whole copies. In the
-    first four rounds half the exercises hold a wrong body (their first, then their second)
-    and the others the reference's, and exactly the wrong ones fail, each with its first
-    failing assertion in one plain line. Further wrong bodies are graded alone after."""
-    names = list(course.EXERCISES)
-    rounds = [{n: MUTANTS[n][k // 2] for i, n in enumerate(names) if i % 2 == k % 2}
-              for k in range(4)]
-    rounds += [{n: mutants[k]} for n, mutants in MUTANTS.items()
-               for k in range(2, len(mutants))]
+    """Each plausible mistake in tests/course_mutants.py, graded in whole copies: round k
+    holds every exercise's k-th wrong body (the reference's where an exercise has fewer),
+    and exactly the wrong rows fail, each with its first failing assertion in one plain
+    line (never a stale edit: a NameError or AttributeError means the region changed)."""
+    rounds = [{name: mutants[k] for name, mutants in MUTANTS.items() if k < len(mutants)}
+              for k in range(max(map(len, MUTANTS.values())))]
     problems = []
     for k, wrong in enumerate(rounds):
         dest = tmp_path / f"round{k}"
@@ -340,7 +393,7 @@ def test_every_wrong_body_fails_its_own_row_in_plain_words_and_no_other(tmp_path
                 put_mistake(dest, name, old, new)
             except ValueError as e:
                 problems.append(f"round {k}, {name}: {e}; update tests/course_mutants.py")
-        for row in course_grade.grade(dest, None if k < 4 else list(wrong)):
+        for row in course_grade.grade(dest):
             what = f"round {k}, {row.exercise}"
             if row.exercise not in wrong:
                 if row.status != "pass":

@@ -13,6 +13,7 @@ from refserve import LLM, SamplingParams, capacity
 from refserve.backends.numpy_backend import NumpyBackend
 from refserve.config import EngineConfig
 from refserve.engine import LLMEngine
+from refserve.engine_setup import DeviceMemory, PoolShape, size_kv_pool
 
 # The tiny model: 2 layers, 2 KV heads of head_dim 12, max_position_embeddings 128.
 KV_BYTES_PER_TOKEN_F32 = 2 * 2 * 2 * 12 * 4
@@ -105,3 +106,56 @@ def test_the_old_knob_names_still_work_and_warn():
         assert EngineConfig(num_gpu_blocks=12).num_gpu_blocks_override == 12
     with pytest.warns(FutureWarning, match="kv_cache_memory is deprecated"):
         assert EngineConfig(kv_cache_memory=1 << 20).kv_cache_memory_bytes == 1 << 20
+
+
+# ---- size_kv_pool: the one pool-sizing rule (the engine's and the simulator's) ----------
+
+# The tiny model's shape: 2 layers, 2 KV heads of 12, hidden 48, MLP 96, vocab 97.
+TINY = PoolShape(num_layers=2, num_kv_heads=2, head_dim=12, hidden_size=48,
+                 intermediate_size=96, vocab_size=97)
+# 4 MB device, 1 MB in use: float32, 4-token blocks (1536 bytes), a 64-token step whose
+# activations are 64 x (4 x 48 + 2 x 96) x 4 + 64 x 97 x 4 = 123 136 bytes.
+DEVICE = DeviceMemory(4_000_000, 1_000_000, "weights")
+
+
+def pool(device=DEVICE, draft=None, **kw):
+    options = {k: kw.pop(k) for k in ("kv_dtype_bytes", "tensor_parallel_size") if k in kw}
+    config = EngineConfig(**{"block_size": 4, "max_num_batched_tokens": 64,
+                             "gpu_memory_utilization": 0.5, **kw})
+    return size_kv_pool(config, TINY, 4, kw.get("max_model_len", 128), device, draft,
+                        **options)
+
+
+def test_size_kv_pool_by_hand():
+    cpu = pool(device=None, kv_cache_memory_bytes=1 << 20)
+    assert (cpu.bytes_per_token, cpu.bytes_per_block) == (384, 1536)
+    assert cpu.num_blocks == 682 and cpu.knob == "kv_cache_memory_bytes=1048576"  # 2^20 // 1536
+    # 0.5 x 4 MB - 1 MB in use - 123 136 of activations = 876 864 bytes: 570 blocks.
+    gpu = pool()
+    assert gpu.num_blocks == 570
+    assert gpu.knob.startswith("gpu_memory_utilization=0.5 of the device's total")
+    assert "in use before the pool (weights)" in gpu.knob
+    # A draft model of the same shape: both caches get the same count, 876 864 // 3072.
+    spec = pool(draft=TINY)
+    assert (spec.num_blocks, spec.draft_bytes_per_block) == (285, 1536)
+    # A one-byte cache: 384 bytes a block, 876 864 // 384.
+    assert pool(kv_dtype_bytes=1).num_blocks == 2283
+    # Two devices: one KV head each (768 bytes a block), half the hidden activations
+    # (49 152 + 24 832 logits): 926 016 // 768.
+    assert pool(tensor_parallel_size=2).num_blocks == 1205
+    # Capped at max_num_seqs sequences of max_model_len: 2 x ceil(128 / 4).
+    assert pool(max_num_seqs=2).num_blocks == 64
+    # The override wins; the contiguous layout has one block of max_model_len per sequence.
+    assert pool(num_gpu_blocks_override=40).num_blocks == 40
+    contiguous = pool(device=None, kv_cache_layout="contiguous", max_model_len=64)
+    assert contiguous.block_size == 64 and contiguous.num_blocks == 256  # capped: 256 seqs
+    # Swap preemption's host pool: 1 GiB of swap space in 1536-byte blocks.
+    assert pool(preemption_mode="swap", swap_space=1.0).num_host_blocks == 2**30 // 1536
+
+
+def test_size_kv_pool_refuses_what_cannot_work():
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.2: .*in use already "
+                                         r"\(weights\).*do not fit"):
+        pool(gpu_memory_utilization=0.2)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override=10.*needs 32 blocks"):
+        pool(num_gpu_blocks_override=10)

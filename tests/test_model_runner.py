@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from model_utils import prefill_logits, row, run_step, save_tiny_hf_model
+from model_utils import prefill_logits, row, run_step, save_numpy_llama
 
 from refserve.backends.attention_metadata import PAD_BLOCK
 from refserve.backends.numpy_backend import NumpyBackend
@@ -31,20 +31,27 @@ def test_prepare_by_hand():
     inputs = fake_runner(runner=StaticBatchRunner).prepare(
         SimpleNamespace(scheduled=[chunk, decode, verify], padding=[padding]))
     # Decodes first (the decode, then the padding row), then chunk and verify, in order.
-    assert inputs.row_order.tolist() == [1, 3, 0, 2]
-    assert inputs.input_ids.tolist() == [205, 402, 102, 103, 104, 105, 106, 107, 302, 303, 304]
-    assert inputs.positions.tolist() == [5, 2, 2, 3, 4, 5, 6, 7, 2, 3, 4]
+    assert inputs.row_order.tolist() == [1, 3, 0, 2], "row_order: decodes first"
+    # Rows in that order: decode, padding, chunk (positions 2..7), verify (302 + 2 drafts).
+    assert inputs.input_ids.tolist() == [205, 402, 102, 103, 104, 105, 106, 107, 302, 303,
+                                         304], "input_ids: each row's query tokens"
+    assert inputs.positions.tolist() == [5, 2, 2, 3, 4, 5, 6, 7, 2, 3, 4], \
+        "positions: each query token's place in its sequence"
     # slot = table[p // 4] * 4 + p % 4; the padding row writes nothing.
     assert inputs.slot_mapping.tolist() == [1 * 4 + 1, -1,
                                             7 * 4 + 2, 7 * 4 + 3, 3 * 4, 3 * 4 + 1, 3 * 4 + 2,
-                                            3 * 4 + 3, 4 * 4 + 2, 4 * 4 + 3, 6 * 4]
-    assert inputs.query_start_loc.tolist() == [0, 1, 2, 8, 11]
-    assert inputs.context_lens.tolist() == [6, 3, 8, 5]
-    assert inputs.block_tables.tolist() == [[9, 1], [5, PAD_BLOCK], [7, 3], [4, 6]]
+                                            3 * 4 + 3, 4 * 4 + 2, 4 * 4 + 3, 6 * 4], \
+        "slot_mapping: slot = table[p // 4] * 4 + p % 4"
+    assert inputs.query_start_loc.tolist() == [0, 1, 2, 8, 11], "query_start_loc"
+    assert inputs.context_lens.tolist() == [6, 3, 8, 5], \
+        "context_lens: the keys each row sees once this step's tokens are written"
+    assert inputs.block_tables.tolist() == [[9, 1], [5, PAD_BLOCK], [7, 3], [4, 6]], \
+        "block_tables"
     # Logits rows in scheduler order: the decode's token, then the verify's three.
-    assert inputs.logits_indices.tolist() == [0, 8, 9, 10]
+    assert inputs.logits_indices.tolist() == [0, 8, 9, 10], "logits_indices"
     a = inputs.attn
-    assert (a.num_seqs, a.num_decodes, a.max_decode_context_len) == (4, 2, 6)
+    assert (a.num_seqs, a.num_decodes, a.max_decode_context_len) == (4, 2, 6), \
+        "(num_seqs, num_decodes, max_decode_context_len)"
     assert a.query_start_loc_cpu is inputs.query_start_loc
     text = str(inputs)
     assert "num_decodes 2" in text and "slot_mapping" in text and "[9, 1]" in text
@@ -96,8 +103,7 @@ def test_verify_logits_equal_prefill_logits_and_come_back_in_row_order(tmp_path)
     """A verify row's k+1 logits are the logits of those positions (what a prefill of the
     same tokens gives), and a batch [verify, decode] returns them verify-first even though
     the decode runs first inside."""
-    folder, _ = save_tiny_hf_model(tmp_path, "llama", True, 2)
-    model = load_model(folder, NumpyBackend())
+    model = load_model(save_numpy_llama(tmp_path / "tiny"), NumpyBackend())
     rng = np.random.default_rng(5)
     a, b = rng.integers(3, 97, size=20).tolist(), rng.integers(3, 97, size=9).tolist()
     expect_a, _ = prefill_logits(model, a, block_size=4)

@@ -40,29 +40,37 @@ def test_same_3_block_prefix_different_tail_hits_exactly_3_blocks():
     run_prefill(manager, a)
     b = make_seq(PREFIX + [7, 8, 9])
     blocks, hit_tokens, copies = run_prefill(manager, b)
-    assert hit_tokens == 3 * BS
-    assert blocks == manager.get_block_ids(a.seq_id)[:3]
-    assert manager.get_block_ids(b.seq_id)[:3] == blocks
-    assert manager.get_block_ids(b.seq_id)[3] != manager.get_block_ids(a.seq_id)[3]
-    assert copies == []  # hit blocks are never written
-    assert manager.prefix_cache_queried_tokens == a.num_tokens + b.num_tokens
-    assert manager.prefix_cache_hit_tokens == 3 * BS
+    assert hit_tokens == 3 * BS, \
+        f"hit tokens {hit_tokens}: b shares a's 3 full blocks ({3 * BS} tokens)"
+    assert blocks == manager.get_block_ids(a.seq_id)[:3], f"hit blocks {blocks}: a's first 3"
+    assert manager.get_block_ids(b.seq_id)[:3] == blocks, "b's table starts with the hits"
+    assert manager.get_block_ids(b.seq_id)[3] != manager.get_block_ids(a.seq_id)[3], \
+        "b's own tail is a block of its own"
+    assert copies == [], f"copies {copies}: hit blocks are never written"
+    assert manager.prefix_cache_queried_tokens == a.num_tokens + b.num_tokens, \
+        "prefix_cache_queried_tokens"
+    assert manager.prefix_cache_hit_tokens == 3 * BS, "prefix_cache_hit_tokens"
     for block in blocks:
-        assert manager.allocator.ref_count(block) == 2
+        assert manager.allocator.ref_count(block) == 2, \
+            f"ref count of shared block {block}: a and b hold it"
 
 
 def test_last_prompt_token_is_never_a_hit():
     manager = KVCacheManager(num_blocks=16, block_size=BS)
     a = make_seq(PREFIX)  # exactly 3 full blocks
     run_prefill(manager, a)
-    assert len(manager.prefix_cache) == 3  # all three full blocks are cached ...
+    assert len(manager.prefix_cache) == 3, "all three full blocks of a are cached"
     b = make_seq(PREFIX)
     blocks, hit_tokens = manager.get_computed_blocks(b)
-    assert hit_tokens == 2 * BS  # ... but the block holding the last token is not a hit
-    assert len(blocks) == 2
+    assert hit_tokens == 2 * BS, (
+        f"hit tokens {hit_tokens} for a prompt of exactly 3 cached blocks: the block "
+        "holding the last token is never a hit (its logits must be computed)")
+    assert len(blocks) == 2, f"hit blocks {blocks}"
     c = make_seq(PREFIX + [5])
-    assert manager.get_computed_blocks(c)[1] == 3 * BS
-    assert manager.get_computed_blocks(make_seq(PREFIX[:1]))[1] == 0
+    hit = manager.get_computed_blocks(c)[1]
+    assert hit == 3 * BS, f"hit tokens {hit}: one token past 3 cached blocks"
+    hit = manager.get_computed_blocks(make_seq(PREFIX[:1]))[1]
+    assert hit == 0, f"hit tokens {hit} for a 1-token prompt"
 
 
 def test_get_computed_blocks_touches_nothing_and_stops_at_first_miss():
@@ -73,9 +81,12 @@ def test_get_computed_blocks_touches_nothing_and_stops_at_first_miss():
     refs_before = [manager.allocator.ref_count(b) for b in range(16)]
     other_second_block = PREFIX[:BS] + [0] * BS + PREFIX[2 * BS:] + [1]
     blocks, hit_tokens = manager.get_computed_blocks(make_seq(other_second_block))
-    assert hit_tokens == BS  # block 2 has the same tokens but a different prefix: a miss
-    assert manager.num_available_blocks == free_before
-    assert [manager.allocator.ref_count(b) for b in range(16)] == refs_before
+    assert hit_tokens == BS, (
+        f"hit tokens {hit_tokens}: block 1 misses, and block 2 (same tokens, another "
+        "prefix) is no hit after it")
+    assert manager.num_available_blocks == free_before, "a lookup takes no block"
+    assert [manager.allocator.ref_count(b) for b in range(16)] == refs_before, \
+        "a lookup takes no reference"
 
 
 def test_only_computed_blocks_are_cached():
@@ -233,18 +244,39 @@ def test_fork_then_child_write_in_shared_partial_block_copies_once():
     child.append_token(77)  # sampled; position 2*BS+2 lies in the shared partial block
     copies = manager.allocate_slots(child, 1)
     child_blocks = manager.get_block_ids(child.seq_id)
-    assert copies == [(parent_blocks[2], child_blocks[2])]
-    assert child_blocks[:2] == parent_blocks[:2]  # full blocks stay shared
-    assert manager.get_block_ids(parent.seq_id) == parent_blocks  # parent untouched
-    assert manager.allocator.ref_count(parent_blocks[2]) == 1
+    assert child_blocks[2] != parent_blocks[2], (
+        f"the child's table {child_blocks} still points at the shared block "
+        f"{parent_blocks[2]} it writes into")
+    assert copies == [(parent_blocks[2], child_blocks[2])], (
+        f"copies {copies}: one (src, dst) = (the shared block {parent_blocks[2]}, the "
+        f"child's new block {child_blocks[2]})")
+    assert child_blocks[:2] == parent_blocks[:2], "full blocks stay shared"
+    assert manager.get_block_ids(parent.seq_id) == parent_blocks, "the parent is untouched"
+    assert manager.allocator.ref_count(parent_blocks[2]) == 1, (
+        f"ref count of the shared block {parent_blocks[2]} after the copy: "
+        f"{manager.allocator.ref_count(parent_blocks[2])}, the parent's alone")
+    assert manager.allocator.ref_count(child_blocks[2]) == 1, (
+        f"ref count of the child's new block {child_blocks[2]}: "
+        f"{manager.allocator.ref_count(child_blocks[2])}")
     assert manager.slot_mapping(child.seq_id, 2 * BS + 2, 2 * BS + 3) == [
-        child_blocks[2] * BS + 2]
+        child_blocks[2] * BS + 2], "the child writes into its own copy"
     manager.check_invariants()
 
     # The parent is now the last holder of its partial block: it writes in place.
     parent.append_token(88)
     assert manager.allocate_slots(parent, 1) == []
     assert manager.get_block_ids(parent.seq_id) == parent_blocks
+
+
+def test_kv_cache_demo_fork_prints_the_one_cow_copy_warmup_quotes(capsys):
+    """`python -m refserve.kv_cache.demo kv_cache_manager` (WARMUP quotes it): a forked
+    sequence's write into a shared block makes one copy-on-write."""
+    from refserve.kv_cache import demo
+
+    assert demo.main(["kv_cache_manager"]) == 0
+    text = capsys.readouterr().out
+    assert "c writes position 10 -> copies [(2, 4)]" in text, text
+    assert "2: [0, 1, 4]" in text, text
 
 
 def test_fork_write_into_fresh_block_needs_no_copy():
@@ -319,6 +351,26 @@ def test_hit_below_a_recached_parent_block():
     assert hit_tokens == 6 and blocks[2] == b_blocks[2]
     manager.allocate_slots(d, 1, blocks)
     manager.check_invariants()
+
+
+def test_blocks_after_a_hole_in_the_chain_are_no_hits():
+    """A cached block can outlive its parent block: b's block [5, 5] is chained on a's
+    keys, and a's blocks are evicted. A lookup stops at the first miss, so that block is
+    no hit for [1, 1, 2, 2, 5, 5, 8]: its K/V follow tokens no cached block holds now."""
+    bs = 2
+    manager = KVCacheManager(num_blocks=9, block_size=bs)
+    a = make_seq([1, 1, 2, 2, 3])
+    b = make_seq([1, 1, 2, 2, 5, 5, 6])
+    for seq in (a, b):  # admitted in the same step: b's first two blocks duplicate a's
+        manager.allocate_slots(seq, seq.num_tokens)
+    for seq in (a, b):
+        seq.num_computed_tokens = seq.num_tokens
+        manager.cache_full_blocks(seq)
+    manager.release(a)
+    filler = make_seq([9] * 10)  # takes every available block: a's cached ones are evicted
+    manager.allocate_slots(filler, filler.num_tokens)
+    hits, _ = manager.get_computed_blocks(make_seq([1, 1, 2, 2, 5, 5, 8]))
+    assert hits == [], f"blocks 0 and 1 miss, so nothing after them is a hit; got {hits}"
 
 
 def hash_chain_problems(keys) -> list[str]:

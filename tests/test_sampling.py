@@ -155,7 +155,7 @@ def naive(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, margin=0.0):
     if min_p > 0:
         ratio = p / p.max()
         keep &= ratio >= min_p
-        clear &= bool(np.all(np.abs(ratio / min_p - 1) > margin))
+        clear &= bool(np.all(np.abs(ratio - min_p) > margin * min_p))  # (no overflow)
     if top_k > 0:
         keep &= x >= np.sort(x)[::-1][min(top_k, len(x)) - 1]
     q = np.where(keep, p, 0.0)

@@ -9,7 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import refserve
-from refserve import capacity
 from refserve.config import EngineConfig
 from refserve.kv_cache.kv_cache_manager import KVCacheManager
 from refserve.metrics import RunSummary
@@ -25,7 +24,6 @@ from refserve.simulator import (
     load_model,
     make_workload,
 )
-from refserve.simulator.engine import size_kv_pool
 
 MODEL = load_model("llama-3-8b")
 H100 = load_gpu("h100-80gb")
@@ -210,32 +208,33 @@ def test_pool_invariants_hold_after_every_simulated_step(num_requests, blocks, b
             r.num_output_tokens, max_model_len - r.num_prompt_tokens)
 
 
-def test_kv_pool_is_sized_like_the_real_engine():
-    config = EngineConfig()
-    blocks, knob = size_kv_pool(MODEL, H100, config, "bfloat16", 1, 8192, 16)
-    weights = MODEL.total_params * 2
-    tokens = 8192
-    activations = tokens * (4 * 4096 + 2 * 14336) * 2 + 256 * 128256 * 4
-    budget = int(H100.memory_bytes * 0.9) - weights - H100.reserved_bytes - activations
-    assert blocks == budget // (16 * 131072)
-    assert "gpu_memory_utilization=0.9" in knob
+def test_the_simulated_pool_is_one_gpus_share_of_the_profiles_memory():
+    """The arithmetic is engine_setup.size_kv_pool's (tested in test_engine_sizing.py and
+    tests/test_simulator_engine_rules.py); here, what the simulator feeds it."""
+    one = SimulatedEngine(MODEL, H100, EngineConfig())
+    assert "gpu_memory_utilization=0.9" in one.pool_sized_by
+    assert "weights 14.96 GiB per GPU" in one.pool_sized_by
     # Two GPUs: half the weights and half the KV heads on each, so more than 2x the blocks.
-    blocks2, _ = size_kv_pool(MODEL, H100, config, "bfloat16", 2, 8192, 16)
-    assert blocks2 > 2 * blocks
-    with pytest.raises(ValueError, match="do not fit"):
-        size_kv_pool(load_model("llama-3-70b"), H100, config, "bfloat16", 1, 8192, 16)
+    two = SimulatedEngine(MODEL, H100, EngineConfig(), tensor_parallel_size=2)
+    assert two.num_blocks > 2 * one.num_blocks
+    # fp8 weights leave more memory; an fp8 cache holds twice the blocks in the same bytes.
+    fp8 = SimulatedEngine(MODEL, H100, EngineConfig(), quantization="fp8")
+    assert fp8.num_blocks > one.num_blocks
+    kv8 = SimulatedEngine(MODEL, H100, EngineConfig(), kv_cache_dtype="fp8")
+    assert kv8.num_blocks // 2 == one.num_blocks  # floor(2m / b) // 2 = floor(m / b)
+    with pytest.raises(ValueError, match="llama-3-70b on 1 x .*do not fit.*more GPUs"):
+        SimulatedEngine(load_model("llama-3-70b"), H100, EngineConfig())
     with pytest.raises(ValueError, match="max_model_len"):
-        size_kv_pool(MODEL, H100, EngineConfig(num_gpu_blocks_override=10), "bfloat16", 1,
-                     8192, 16)
-    # The host profile sizes the pool by kv_cache_memory_bytes, as the NumPy engine does.
+        SimulatedEngine(MODEL, H100, EngineConfig(num_gpu_blocks_override=10))
+    # The host profile sizes the pool by kv_cache_memory_bytes, as the CPU backends do.
     from refserve.simulator.hardware import host_profile
 
     host = host_profile({"peak_flops": 1e11, "bandwidth_bytes_per_s": 1e10})
     tiny = load_model("smollm2-135m")
-    blocks, _ = size_kv_pool(tiny, host, EngineConfig(kv_cache_memory_bytes=2**30),
-                             "float32", 1, 8192, 16)
-    per_block = capacity.kv_bytes_per_block(tiny.kv_bytes_per_token(4), 16)
-    assert blocks == min(2**30 // per_block, 256 * 512)
+    small = SimulatedEngine(tiny, host, EngineConfig(kv_cache_memory_bytes=2**30))
+    big = SimulatedEngine(tiny, host, EngineConfig(kv_cache_memory_bytes=2**31))
+    assert small.pool_sized_by == f"kv_cache_memory_bytes={2**30}"
+    assert big.num_blocks == 2 * small.num_blocks
 
 
 def test_bad_requests_are_refused_before_anything_runs():

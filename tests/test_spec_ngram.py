@@ -25,37 +25,55 @@ def brute_force(tokens, k, min_n, max_n):
     return []
 
 
-def test_longest_suffix_wins_over_a_more_recent_shorter_one():
-    #            0  1  2  3  4  5  6  7  8  9
-    context = [1, 2, 3, 7, 8, 9, 3, 5, 2, 3]
-    # "2 3" occurred at 1..2 (followed by 7 8 9); "3" alone occurred later at 6 (then 5).
-    assert propose(context, k=3, min_n=1, max_n=2) == [7, 8, 9]
-    assert propose(context, k=3, min_n=1, max_n=1) == [5, 2, 3]
+def proposed(context, k, min_n, max_n):
+    """propose(...), and how to say what was asked in an assertion's message."""
+    return propose(context, k=k, min_n=min_n, max_n=max_n), \
+        f"propose({context}, k={k}, min_n={min_n}, max_n={max_n})"
 
 
-def test_most_recent_occurrence_is_used():
-    context = [4, 1, 5, 4, 1, 6, 0, 4, 1]
-    assert propose(context, k=2, min_n=2, max_n=2) == [6, 0]
+#          0  1  2  3  4  5  6  7  8  9
+CONTEXT = [1, 2, 3, 7, 8, 9, 3, 5, 2, 3]
 
 
-def test_no_match_proposes_nothing():
-    assert propose([1, 2, 3, 4], k=3, min_n=1, max_n=3) == []
-    assert propose([1, 2, 1, 2, 9, 3], k=3, min_n=2, max_n=3) == []  # "9 3" never before
-    assert propose([], k=3, min_n=1, max_n=3) == []
-    assert propose([5], k=3, min_n=1, max_n=3) == []
+def test_the_longest_matching_suffix_wins_over_a_more_recent_shorter_one():
+    # "2 3" occurred at 1..2 (then 7 8 9); "3" alone occurred later, at 6 (then 5).
+    got, asked = proposed(CONTEXT, 3, 1, 2)
+    assert got == [7, 8, 9], f"{asked} = {got}: the 2-token suffix '2 3' matches at 1..2"
+
+
+def test_the_most_recent_occurrence_of_a_suffix_wins():
+    # "3" occurred at 2 (then 7 8 9) and at 6 (then 5 2 3): the later one is used.
+    got, asked = proposed(CONTEXT, 3, 1, 1)
+    assert got == [5, 2, 3], f"{asked} = {got}: '3' last occurred at 6, followed by 5 2 3"
+    got, asked = proposed([4, 1, 5, 4, 1, 6, 0, 4, 1], 2, 2, 2)
+    assert got == [6, 0], f"{asked} = {got}: '4 1' last occurred at 3..4, followed by 6 0"
+
+
+@pytest.mark.parametrize("context, min_n, max_n, why", [
+    ([1, 2, 3, 4], 1, 3, "'4' never occurred before"),
+    ([1, 2, 1, 2, 9, 3], 2, 3, "'9 3' never occurred before"),
+    ([], 1, 3, "an empty context"),
+    ([5], 1, 3, "one token: nothing before it"),
+])
+def test_no_match_proposes_nothing(context, min_n, max_n, why):
+    got, asked = proposed(context, 3, min_n, max_n)
+    assert got == [], f"{asked} = {got}: {why}"
 
 
 def test_proposal_stops_at_the_end_of_the_context():
-    # The most recent earlier "7" is at index 2: only one token follows it... then the
-    # suffix itself. Overlap with the suffix is allowed.
-    assert propose([7, 7, 7], k=4, min_n=1, max_n=1) == [7]
-    assert propose([1, 2, 1, 2, 1, 2], k=4, min_n=2, max_n=4) == [1, 2]
+    # The most recent earlier "7" is at index 1: one token follows it (the suffix itself:
+    # an overlap with the suffix is allowed).
+    got, asked = proposed([7, 7, 7], 4, 1, 1)
+    assert got == [7], f"{asked} = {got}: only one token follows the match at 1"
+    got, asked = proposed([1, 2, 1, 2, 1, 2], 4, 2, 4)
+    assert got == [1, 2], f"{asked} = {got}: '1 2 1 2' matches at 0..3, then 1 2 ends it"
 
 
 def test_min_n_excludes_short_matches():
-    context = [1, 2, 3, 9, 3]
-    assert propose(context, k=2, min_n=1, max_n=3) == [9, 3]
-    assert propose(context, k=2, min_n=2, max_n=3) == []
+    got, asked = proposed([1, 2, 3, 9, 3], 2, 1, 3)
+    assert got == [9, 3], f"{asked} = {got}: '3' matched at 2"
+    got, asked = proposed([1, 2, 3, 9, 3], 2, 2, 3)
+    assert got == [], f"{asked} = {got}: only a 1-token suffix matches, and min_n is 2"
 
 
 @pytest.mark.parametrize(
@@ -77,8 +95,9 @@ def test_bad_settings_name_the_field(kwargs, field):
 )
 def test_matches_the_rule_read_literally(tokens, k, min_n, extra):
     max_n = min_n + extra
-    proposal = propose(tokens, k, min_n, max_n)
-    assert proposal == brute_force(tokens, k, min_n, max_n)
+    got, asked = proposed(tokens, k, min_n, max_n)
+    want = brute_force(tokens, k, min_n, max_n)
+    assert got == want, f"{asked} = {got}; the rule read literally gives {want}"
 
 
 @settings(max_examples=300, deadline=None)
@@ -96,15 +115,18 @@ def test_a_proposal_continues_an_earlier_occurrence_of_the_longest_matching_suff
         return [e for e in range(n - 1, length - 1) if tokens[e - n + 1 : e + 1] == suffix]
 
     matched = [n for n in range(min_n, min(max_n, length - 1) + 1) if occurrences(n)]
+    asked = f"propose({tokens}, k={k}, min_n={min_n}, max_n={max_n}) = {proposal}"
     if not matched:
-        assert proposal == []
+        assert proposal == [], f"{asked}: no suffix of {min_n}..{max_n} tokens occurred before"
         return
     n = max(matched)
-    assert 1 <= len(proposal) <= k
-    assert any(tokens[e + 1 : e + 1 + len(proposal)] == proposal for e in occurrences(n))
+    assert 1 <= len(proposal) <= k, f"{asked}: 1 to k tokens after a match"
+    assert any(tokens[e + 1 : e + 1 + len(proposal)] == proposal for e in occurrences(n)), \
+        f"{asked}: not what followed an occurrence of the longest matching suffix ({n})"
     # The proposal is exactly the continuation of the most recent occurrence.
     e = max(occurrences(n))
-    assert proposal == tokens[e + 1 : e + 1 + k]
+    assert proposal == tokens[e + 1 : e + 1 + k], \
+        f"{asked}: the most recent occurrence ends at {e}"
 
 
 def test_fast_enough_for_long_contexts():
@@ -114,7 +136,8 @@ def test_fast_enough_for_long_contexts():
     passage = rng.integers(0, 1000, size=500).tolist()
     context = (rng.integers(0, 1000, size=3000).tolist() + passage
                + rng.integers(0, 1000, size=400).tolist() + passage[:100])
-    assert propose(context, k=4, min_n=1, max_n=5) == passage[100:104]
+    assert propose(context, k=4, min_n=1, max_n=5) == passage[100:104], \
+        "the repeated passage's continuation"
     start = time.perf_counter()
     for _ in range(50):
         propose(context, k=4, min_n=1, max_n=5)

@@ -97,7 +97,8 @@ def test_one_step_emits_exactly_p(pq):
     r = residual_distribution(p, q)
     rejection_mass = np.sum(q * (1.0 - a))
     emitted = q * a + rejection_mass * r
-    np.testing.assert_allclose(emitted, p, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(emitted, p, rtol=0, atol=1e-12, err_msg=(
+        f"q * a + P(reject) * residual must be p (p={p}, q={q})"))
 
 
 @settings(max_examples=200, deadline=None)
@@ -115,7 +116,10 @@ def test_accept_test_has_the_acceptance_probability(pq, data):
             np.array([[x]]), q[None, None], np.stack([p, p])[None], np.array([[u]]),
             np.array([0.5]),
         )
-        assert num_accepted[0] == int(accepted), (u, a, p[x], q[x])
+        assert num_accepted[0] == int(accepted), (
+            f"u={u!r}, p(x)={float(p[x])!r}, q(x)={float(q[x])!r}: "
+            f"accepted={bool(num_accepted[0])}, "
+            f"want {accepted} (accept iff u * q(x) < p(x))")
 
 
 @settings(max_examples=100, deadline=None)
@@ -138,10 +142,12 @@ def test_recovered_token_follows_the_residual(pq):
         np.full((m, 1), 1 - 1e-16),  # u · q(x) ≈ q(x) > p(x): rejected
         draws,
     )
-    assert (num_accepted == 0).all()
+    assert (num_accepted == 0).all(), "u * q(x) > p(x): the draft must be rejected"
     freq = np.bincount(out[:, 0], minlength=len(p)) / m
-    np.testing.assert_allclose(freq, residual_distribution(p, q), atol=1.0 / m + 1e-12)
-    assert (out[:, 1] == -1).all()
+    np.testing.assert_allclose(freq, residual_distribution(p, q), atol=1.0 / m + 1e-12,
+                               err_msg=f"recovered-token frequencies (p={p}, q={q}, draft "
+                                       f"{x} rejected) must be norm(max(0, p - q))")
+    assert (out[:, 1] == -1).all(), "after the recovered token: -1 padding"
 
 
 def test_inverse_cdf_draw_interval_rule():
@@ -150,7 +156,7 @@ def test_inverse_cdf_draw_interval_rule():
     w = np.array([[0.0, 2.0, 0.0, 1.0, 1.0]])
     cases = {0.0: 1, 0.4999: 1, 0.5: 3, 0.7499: 3, 0.75: 4, 0.999999: 4}
     for u, token in cases.items():
-        assert inverse_cdf_draw(w, np.array([u]))[0] == token, u
+        assert inverse_cdf_draw(w, np.array([u]))[0] == token, f"u={u} over weights {w[0]}"
 
 
 def test_acceptance_probability_edge_cases():
@@ -192,8 +198,13 @@ def test_greedy_is_exact_match_against_the_target_argmax():
         for draft_probs in (q, None):
             out, num_accepted = rejection_sample(drafts, draft_probs, p, u.random((4, k)),
                                                  u.random(4))
-            np.testing.assert_array_equal(out, expected)
-            np.testing.assert_array_equal(num_accepted, [0, 2, 3, 1])
+            q_is = "one-hot q" if draft_probs is None else "q as arrays"
+            np.testing.assert_array_equal(num_accepted, [0, 2, 3, 1], err_msg=(
+                f"greedy, {q_is}: num_accepted per row (drafts {drafts.tolist()}, target "
+                f"argmax {argmax.tolist()})"))
+            np.testing.assert_array_equal(out, expected, err_msg=(
+                f"greedy, {q_is}: output tokens per row (accepted drafts, then the target's "
+                "argmax)"))
 
 
 def test_ragged_rows_and_padding():
@@ -206,9 +217,11 @@ def test_ragged_rows_and_padding():
     drafts = np.array([[1, 2, 3], [1, 2, -1], [1, -1, -1], [-1, -1, -1]])
     out, num_accepted = rejection_sample(drafts, None, p, np.full((4, k), 0.99),
                                          np.full(4, 0.3))
-    np.testing.assert_array_equal(num_accepted, [3, 2, 1, 0])
+    np.testing.assert_array_equal(num_accepted, [3, 2, 1, 0], err_msg="num_accepted per "
+                                  "row of 3, 2, 1 and 0 drafts, all accepted")
     np.testing.assert_array_equal(out, [[1, 2, 3, 4], [1, 2, 3, -1], [1, 2, -1, -1],
-                                        [1, -1, -1, -1]])
+                                        [1, -1, -1, -1]],
+                                  err_msg="tokens per row: its drafts, its bonus, -1 padding")
 
 
 def test_only_the_first_rejection_counts():
@@ -217,8 +230,9 @@ def test_only_the_first_rejection_counts():
     p = np.tile(np.array([0.0, 0.5, 0.5, 0.0]), (1, 4, 1))
     drafts = np.array([[1, 3, 1]])  # token 3 has p = 0: rejected at position 1
     out, num_accepted = rejection_sample(drafts, None, p, np.zeros((1, 3)), np.array([0.0]))
-    assert num_accepted[0] == 1
-    np.testing.assert_array_equal(out, [[1, 1, -1, -1]])  # residual = p without token 3
+    assert num_accepted[0] == 1, f"num_accepted {num_accepted[0]}: draft 3 (p = 0) stops it"
+    np.testing.assert_array_equal(out, [[1, 1, -1, -1]], err_msg=(
+        "tokens: draft 1, then the recovered token from position 1's residual"))
 
 
 def test_one_hot_q_equals_explicit_one_hot_draft_probs():
@@ -233,12 +247,15 @@ def test_one_hot_q_equals_explicit_one_hot_draft_probs():
     explicit = _onehot(np.maximum(drafts, 0), vocab)
     out_none, acc_none = rejection_sample(drafts, None, p, u, w)
     out_hot, acc_hot = rejection_sample(drafts, explicit, p, u, w)
-    np.testing.assert_array_equal(out_none, out_hot)
-    np.testing.assert_array_equal(acc_none, acc_hot)
+    np.testing.assert_array_equal(acc_none, acc_hot, err_msg=(
+        "num_accepted: draft_probs=None must be one-hot q at each draft"))
+    np.testing.assert_array_equal(out_none, out_hot, err_msg=(
+        "tokens: draft_probs=None must be one-hot q at each draft"))
     r = residual_distribution(p[0, 0], _onehot(3, vocab))
     expected = p[0, 0].copy()
     expected[3] = 0
-    np.testing.assert_allclose(r, expected / expected.sum(), atol=1e-15)
+    np.testing.assert_allclose(r, expected / expected.sum(), atol=1e-15,
+                               err_msg="one-hot q's residual: p without the draft token")
 
 
 def test_float32_inputs_and_backend_op_agree_with_the_reference():
@@ -255,11 +272,12 @@ def test_float32_inputs_and_backend_op_agree_with_the_reference():
     backend = NumpyBackend()
     for op in (backend.rejection_sample, lambda *a: Backend.rejection_sample(backend, *a)):
         out, acc = op(drafts, q, p, u, w)
-        np.testing.assert_array_equal(out, ref_out)
-        np.testing.assert_array_equal(acc, ref_acc)
+        np.testing.assert_array_equal(out, ref_out, err_msg="the backend op's tokens")
+        np.testing.assert_array_equal(acc, ref_acc, err_msg="the backend op's num_accepted")
     # Each row emits exactly num_accepted + 1 tokens, then padding.
     emitted = (ref_out >= 0).sum(axis=1)
-    np.testing.assert_array_equal(emitted, ref_acc + 1)
+    np.testing.assert_array_equal(emitted, ref_acc + 1,
+                                  err_msg="tokens emitted per row: num_accepted + 1")
 
 
 def test_no_draft_rows_only():
@@ -267,8 +285,8 @@ def test_no_draft_rows_only():
     p = np.array([[[0.0, 1.0, 0.0]]])
     out, acc = rejection_sample(np.zeros((1, 0), np.int64), None, p, np.zeros((1, 0)),
                                 np.array([0.9]))
-    np.testing.assert_array_equal(out, [[1]])
-    np.testing.assert_array_equal(acc, [0])
+    np.testing.assert_array_equal(out, [[1]], err_msg="k = 0: a draw from p_0")
+    np.testing.assert_array_equal(acc, [0], err_msg="k = 0: nothing to accept")
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
+from refserve.kv_cache.block_table import blocks_for_tokens
 
 # Prefill chunks are processed this many query tokens at a time, which bounds the score
 # matrix at [num_heads, tile, L] floats, and lets each tile skip the keys after its last query
@@ -153,7 +154,7 @@ def plan_decode(block_tables: np.ndarray, context_lens: np.ndarray, block_size: 
     runs = []  # per row: [(first, stop, keys in the run)]
     for b in range(batch):
         length = int(context_lens[b])
-        num_blocks = -(-length // block_size)
+        num_blocks = blocks_for_tokens(length, block_size)
         row_runs = _runs(block_tables[b, :num_blocks])
         missing = num_blocks * block_size - length  # empty slots of the last block
         runs.append([(first, stop, (stop - first) * block_size - (missing if i == len(
@@ -354,7 +355,7 @@ def gather_context(cache: np.ndarray, block_table: np.ndarray, num_keys: int) ->
     block_size = cache.shape[1]
     if num_keys <= block_size:
         return cache[block_table[0], :num_keys]
-    num_blocks = -(-num_keys // block_size)
+    num_blocks = blocks_for_tokens(int(num_keys), block_size)
     assert block_table[num_blocks - 1] != PAD_BLOCK
     blocks = np.take(cache, block_table[:num_blocks], axis=0)  # [nb, block_size, Hkv, D]
     return blocks.reshape(-1, *cache.shape[2:])[:num_keys]

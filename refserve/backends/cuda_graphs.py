@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from refserve.backends.attention_metadata import PAD_BLOCK, AttentionMetadata
+from refserve.kv_cache.block_table import blocks_for_tokens
 
 MAX_CAPTURE_SIZE = 256
 
@@ -152,7 +153,7 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         self.partition_size = partition_size
         self.max_context = model.config.max_position_embeddings
-        self.width = -(-self.max_context // block_size)  # block-table columns
+        self.width = blocks_for_tokens(self.max_context, block_size)  # block-table columns
         xp, largest = backend.xp, self.sizes[-1]
         # Flat persistent buffers. A graph of `batch` rows reads their leading parts in the
         # layout of pad_decode_inputs(batch): each graph has its own layout, and each replay

@@ -146,6 +146,7 @@ def gather_context(cache: np.ndarray, block_table: np.ndarray, num_keys: int) ->
     never read.
     """
     # BEGIN EXERCISE paged_attention_gather: key n is in block block_table[n // bs] at n % bs
+    # ... return keys 0..num_keys-1 of `cache`: [num_keys, kv_heads, head_dim]
     block_size = cache.shape[1]
     positions = np.arange(num_keys)
     blocks = block_table[positions // block_size].astype(np.int64)

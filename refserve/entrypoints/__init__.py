@@ -3,7 +3,7 @@
 | module | holds |
 | --- | --- |
 | `cli_common.py` | every CLI's parser (one `error:` line, no abbreviations), output-path checks |
-| `engine_args.py` | the engine flags (vLLM's names): one list for `generate` and `serve` |
+| `engine_args.py` | the engine flags (vLLM's names), once for generate, serve, simulate, plan |
 | `async_engine.py` | `AsyncEngine`: a background thread steps the engine; requests hand off |
 | `protocol.py` | OpenAI request bodies → `SamplingParams`; the error shape |
 | `responses.py` | OpenAI response, chunk, usage and logprobs shapes |

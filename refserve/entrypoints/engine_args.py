@@ -1,4 +1,7 @@
-"""The engine's command-line flags, one list for `refserve.generate` and `refserve.serve`.
+"""The engine's command-line flags, declared once: `refserve.generate` and `refserve.serve`
+take all of them, `refserve.simulate` and `refserve.plan` all but the few they give a
+meaning of their own (`exclude`), so a flag means the same, with the same default, in all
+four.
 
 `add_engine_args(parser)` adds them in two groups: vLLM's names (same flag, same meaning as
 `vllm serve`) and refserve's own, plus the deprecated spellings of the renamed knobs
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Collection
 
 from refserve.config import (
     BACKENDS,
@@ -58,9 +62,27 @@ def tensor_parallel_size(text: str) -> int:
     return value
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, grouped apart from the entry point's own (see the module docstring)."""
-    e = parser.add_argument_group("engine: vLLM's names and meanings")
+class _Group:
+    """An argument group that leaves out the flags whose dest is in `exclude`, and records
+    every dest it was given (so an exclusion that names no engine flag is caught)."""
+
+    def __init__(self, group, exclude: Collection[str], seen: set[str]) -> None:
+        self.group, self.exclude, self.seen = group, exclude, seen
+
+    def add_argument(self, *flags: str, **options) -> None:
+        dest = options.get("dest") or flags[0].lstrip("-").replace("-", "_")
+        self.seen.add(dest)
+        if dest not in self.exclude:
+            self.group.add_argument(*flags, **options)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
+    """The engine flags, grouped apart from the entry point's own (see the module docstring).
+    `exclude`: the dests of engine flags the caller declares itself with a meaning of its
+    own (the simulator's --model is a preset's shape, not weights to load); a deprecated
+    spelling goes with its flag. Raises ValueError for a dest that is no engine flag."""
+    seen: set[str] = set()
+    e = _Group(parser.add_argument_group("engine: vLLM's names and meanings"), exclude, seen)
     e.add_argument("--model", default=None, help="HF-format folder, or a hub id such as "
                    "HuggingFaceTB/SmolLM2-135M-Instruct, read from the Hugging Face cache "
                    "(default: the embedded SmolLM2-135M-Instruct, fetched and converted on "
@@ -111,7 +133,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
                    '"num_speculative_tokens": 4, "model": "self", "num_draft_layers": 8}\'')
 
-    r = parser.add_argument_group("engine: refserve's own")
+    r = _Group(parser.add_argument_group("engine: refserve's own"), exclude, seen)
     r.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="numpy: the plain reference the course reads; cpu: the tuned "
                    "CPU backend; auto: cupy when a CUDA GPU is usable, else cpu")
@@ -131,10 +153,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         r.add_argument("--" + old.replace("_", "-"), dest=new, type=kinds[new],
                        action=DeprecatedAlias, default=argparse.SUPPRESS,
                        help=f"deprecated: --{new.replace('_', '-')}")
+    unknown = sorted(set(exclude) - seen)
+    if unknown:
+        raise ValueError(f"exclude names no engine flag: {unknown}")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the parsed flags describe. Raises ValueError (EngineConfig's own
-    validation) naming the knob that is out of range."""
-    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_FIELDS
-                           if hasattr(args, name)})
+def engine_config_from_args(args: argparse.Namespace, exclude: Collection[str] = (),
+                            **overrides) -> EngineConfig:
+    """The EngineConfig the parsed flags describe, with `overrides` on top. `exclude`: the
+    fields whose flags the entry point gave a meaning of its own (add_engine_args'
+    exclude): those keep EngineConfig's defaults unless overridden. Raises ValueError
+    (EngineConfig's own validation) naming the knob that is out of range."""
+    fields = {name: getattr(args, name) for name in ENGINE_FIELDS
+              if name not in exclude and hasattr(args, name)}
+    return EngineConfig(**{**fields, **overrides})

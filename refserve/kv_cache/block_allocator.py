@@ -112,6 +112,7 @@ class BlockAllocator:
         """
         self._check_id(block_id)
         # BEGIN EXERCISE allocator_decref: refuse a decref at 0; decref; at 0 join the queue's tail
+        # ... the head when to_front; return True iff the ref count reached 0
         if self._ref_counts[block_id] == 0:
             raise ValueError(f"block {block_id} is not held (ref count 0): a double release")
         self._ref_counts[block_id] -= 1

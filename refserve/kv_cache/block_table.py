@@ -46,6 +46,7 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     if not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens={num_tokens!r}: must be an integer >= 0")
     # BEGIN EXERCISE blocks_for_tokens: ceil(num_tokens / block_size) in integers (no floats)
+    # ... return it (an int)
     # -(-a // b) is ceiling division on integers, with no float rounding.
     return -(-num_tokens // block_size)
     # END EXERCISE
@@ -78,6 +79,7 @@ class BlockTable:
     def num_new_blocks(self, num_tokens: int) -> int:
         """Blocks to append so that positions [0, num_tokens) all have a slot."""
         # BEGIN EXERCISE append_rule: blocks needed for num_tokens minus blocks held, never < 0
+        # ... return that count (an int)
         return max(0, blocks_for_tokens(num_tokens, self.block_size) - len(self._ids))
         # END EXERCISE
 

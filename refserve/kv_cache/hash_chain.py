@@ -109,6 +109,7 @@ class HashChainCache(PrefixCache):
 
     def lookup(self, token_ids: SequenceOf[int]) -> list[int]:
         # BEGIN EXERCISE prefix_cache_lookup: chained keys of full blocks to the first miss
+        # ... return the hit block ids, in order (never the last token's block)
         bs = self.block_size
         max_hit_blocks = max(0, len(token_ids) - 1) // bs
         blocks: list[int] = []

@@ -215,7 +215,8 @@ class KVCacheManager:
         start = seq.num_computed_tokens + len(attach) * bs
         end = start + num_new_tokens
         new = plan.num_new_blocks(end)
-        written = range(start // bs, min(len(plan), -(-end // bs))) if end > start else ()
+        written = (range(start // bs, min(len(plan), blocks_for_tokens(end, bs))) if end > start
+                   else ())
         cow = [logical for logical in written if self.allocator.ref_count(plan[logical]) > 1]
         needed = new + len(cow) + (self.prefix_cache.revive_cost(attach) if attach else 0)
         if needed and needed > self.num_available_blocks:
@@ -233,6 +234,7 @@ class KVCacheManager:
         copies: list[tuple[int, int]] = []
         for logical in cow:
             # BEGIN EXERCISE copy_on_write: private block for a shared one; drop a ref; (src, dst)
+            # ... table[logical] becomes the new block; append (old, new) to `copies`
             new_block = self._take_block()
             old_block = table.replace(logical, new_block)
             self.allocator.decref(old_block)  # ref count > 1: the others still hold it

@@ -124,6 +124,7 @@ def rejection_sample(
     x = np.where(is_draft, draft_token_ids, 0)  # padding reads token 0, then is masked out
 
     # BEGIN EXERCISE accept_residual: accept iff u*q(x) < p(x); rejected: max(0, p - q)
+    # ... leave num_accepted [B], j (where the last token is drawn), weights [B, V]
     # The accept test at every draft position at once; only the leading run counts.
     p_x = np.take_along_axis(target_probs[:, :k], x[..., None], axis=-1)[..., 0]
     if draft_probs is None:

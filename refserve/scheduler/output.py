@@ -35,7 +35,12 @@ class RowPlan(NamedTuple):
     start: int                    # first position computed (prefix-cache hits skipped)
     num_scheduled_tokens: int     # query tokens, drafts included
     computed_blocks: list[int]    # prefix-cache hit blocks to attach (first allocation)
+    num_hit_tokens: int           # the tokens those blocks cover (get_computed_blocks)
     drafts: tuple[int, ...]       # the drafts the row verifies after its real tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_scheduled_tokens
 
 
 @dataclass

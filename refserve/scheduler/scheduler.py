@@ -185,6 +185,7 @@ class Scheduler:
                     plan = self._plan_row(seq, budget)
                     continue
                 # BEGIN EXERCISE scheduler_preempt: preempt the NEWEST running sequence (maybe seq)
+                # ... self._preempt(victim, out); return budget when the victim is seq
                 victim = self.running[-1]  # the newest (priority: the least urgent)
                 if victim is seq and len(self.running) == 1:
                     raise RuntimeError(
@@ -208,6 +209,8 @@ class Scheduler:
         order = self.policy.order(queue, self.kv_cache_manager.prefix_match_length)
         admitted: list[Sequence] = []
         # BEGIN EXERCISE scheduler_admit: in `order` while seats, budget and blocks allow
+        # ... each admitted: its row (_add_row), RUNNING, in `admitted`, in `running` at
+        # ... policy.running_index, in out.admitted; seats_used and budget updated
         seats_used = self.num_seats_used
         for seq in order:
             if budget <= 0 or seats_used + seq.num_seats > self.max_num_seqs:
@@ -236,8 +239,8 @@ class Scheduler:
         (the radix tree's lookup may split a node and marks the hit path used)."""
         kv = self.kv_cache_manager
         admitting = seq.status is SequenceStatus.WAITING and not self._is_swapped_out(seq)
-        computed_blocks = kv.get_computed_blocks(seq)[0] if admitting else []
-        start = seq.num_computed_tokens + len(computed_blocks) * kv.block_size
+        computed_blocks, num_hit_tokens = kv.get_computed_blocks(seq) if admitting else ([], 0)
+        start = seq.num_computed_tokens + num_hit_tokens
         real_left = seq.num_tokens - start
         if 0 < self.long_prefill_token_threshold < budget:
             budget = self.long_prefill_token_threshold  # a long prefill leaves budget over
@@ -245,7 +248,8 @@ class Scheduler:
         num_scheduled_tokens = min(real_left, budget) + len(drafts)
         assert num_scheduled_tokens >= 1, f"{seq} has nothing left to compute"
         return RowPlan(start=start, num_scheduled_tokens=num_scheduled_tokens,
-                       computed_blocks=computed_blocks, drafts=drafts)
+                       computed_blocks=computed_blocks, num_hit_tokens=num_hit_tokens,
+                       drafts=drafts)
 
     def _allocate_admitted(self, seq: Sequence, plan: RowPlan, out: SchedulerOutput
                            ) -> list[tuple[int, int]] | None:
@@ -259,11 +263,10 @@ class Scheduler:
                  out: SchedulerOutput) -> None:
         """Record seq's row, its slots allocated. Its num_logits (output.py): the positions
         at or after the last real token, once the row reaches the end of token_ids + drafts."""
-        end = plan.start + plan.num_scheduled_tokens
         last = seq.num_tokens + len(plan.drafts)
-        num_logits = end - max(plan.start, seq.num_tokens - 1) if end == last else 0
+        num_logits = plan.end - max(plan.start, seq.num_tokens - 1) if plan.end == last else 0
         if seq.num_cached_tokens is None:  # vLLM's: the hit of the FIRST scheduling
-            seq.num_cached_tokens = len(plan.computed_blocks) * self.kv_cache_manager.block_size
+            seq.num_cached_tokens = plan.num_hit_tokens
         out.block_copies.extend(copies)
         out.scheduled.append(ScheduledSequence(
             seq=seq, start=plan.start, num_scheduled_tokens=plan.num_scheduled_tokens,
@@ -321,8 +324,10 @@ class Scheduler:
         out.num_batched_tokens = sum(row.num_scheduled_tokens
                                      for row in out.scheduled + out.padding)
         out.num_seats_used = self.num_seats_used
-        assert out.num_batched_tokens <= out.max_num_batched_tokens
-        assert out.num_seats_used <= out.max_num_seqs
+        assert out.num_batched_tokens <= out.max_num_batched_tokens, \
+            f"{out.num_batched_tokens} tokens over the budget {out.max_num_batched_tokens}"
+        assert out.num_seats_used <= out.max_num_seqs, \
+            f"{out.num_seats_used} seats used, max_num_seqs {out.max_num_seqs}"
         self.slot_steps_used += len(out.scheduled)
         self.slot_steps_wasted += len(out.padding)
         self.num_steps += 1
@@ -376,7 +381,7 @@ class Scheduler:
             for seq in [row.seq, *riders.get(row.seq.seq_id, [])]:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue  # aborted since schedule()
-                computed = row.start + row.num_scheduled_tokens
+                computed = row.end
                 status = None
                 if row.num_logits:
                     before = seq.num_output_tokens

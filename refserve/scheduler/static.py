@@ -65,8 +65,8 @@ class StaticScheduler(Scheduler):
         seats = 0
         while self.waiting:
             seq = self.waiting[0]
-            max_tokens = seq.sampling_params.max_tokens or self.max_model_len
-            final_len = min(seq.num_prompt_tokens + max_tokens, self.max_model_len)
+            final_len = seq.num_prompt_tokens + seq.sampling_params.max_output_tokens(
+                seq.num_prompt_tokens, self.max_model_len)
             need = seq.num_seats * blocks_for_tokens(final_len, block_size)
             if seats + seq.num_seats > self.max_num_seqs:
                 break

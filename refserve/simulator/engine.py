@@ -9,12 +9,15 @@ Only the model is replaced. One step is
                                          free; the tokens are the request's own next ones
 
 and requests join `waiting` when the clock passes their arrival time (the serving loop's
-inbox). The KV pool is sized like the real engine's (refserve/engine.py): on a GPU,
-gpu_memory_utilization x memory - weights / tp - reserved - one step's activations; on the
-host profile, kv_cache_memory_bytes; num_gpu_blocks_override wins over both.
+inbox). The KV pool is sized by the real engine's own rule (engine_setup.size_kv_pool) on
+a modelled device (`simulated_device`): on a GPU, gpu_memory_utilization x memory - weights
+/ tp - reserved - one step's activations; on the host profile, kv_cache_memory_bytes;
+num_gpu_blocks_override wins over both. The token budget is resolved as the real engine
+resolves it, on the backend the profile stands for (`simulated_backend`).
 
 Per request it fills the real engine's `RequestMetrics` (arrival, first token and finish on
-the virtual clock, cached tokens, preemptions) and per run `metrics.summarize`'s
+the virtual clock, cached tokens, preemptions), completed at finish by the engine's own
+`RequestMetrics.record_finish` from the sequence, and per run `metrics.summarize`'s
 `RunSummary`: the same TTFT / TPOT / KV peak / prefix hit rate / slot-step numbers, printed
 by the same `format()`.
 
@@ -33,11 +36,8 @@ from array import array
 from dataclasses import dataclass, field
 
 from refserve import capacity
-from refserve.config import (
-    EngineConfig,
-    resolve_long_prefill_token_threshold,
-    resolve_max_num_batched_tokens,
-)
+from refserve.config import EngineConfig
+from refserve.engine_setup import DeviceMemory, resolve_token_budget, size_kv_pool
 from refserve.kv_cache import KVCacheManager
 from refserve.metrics import RequestMetrics, RunSummary, summarize
 from refserve.sampling_params import SamplingParams
@@ -60,58 +60,31 @@ def resolve_dtype(dtype: str, gpu: GpuProfile, model: ModelShape) -> str:
     return "float32" if gpu.kind == "host" else model.dtype
 
 
-def size_kv_pool(model: ModelShape, gpu: GpuProfile, config: EngineConfig, dtype: str,
-                 tensor_parallel_size: int, max_model_len: int, block_size: int,
-                 draft: ModelShape | None = None, draft_has_own_weights: bool = False, *,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto"
-                 ) -> tuple[int, str]:
-    """(KV blocks per GPU, what sized them), by the real engine's rule (module docstring).
-    With a `draft` model (its own weights too, unless it is the target's first layers) both
-    caches get the same number of
-    blocks (the memory split by bytes per token). `quantization="fp8"`: one byte per weight;
-    `kv_cache_dtype="fp8"`: one byte per K or V element, so the same memory holds twice
-    the blocks of a 16-bit cache. Raises ValueError when the weights do not fit or the pool
-    cannot hold one sequence."""
-    b = capacity.DTYPE_BYTES[dtype]
+def simulated_backend(gpu: GpuProfile) -> str:
+    """The backend a profile stands for, whose defaults (token budget, prefill cap) the
+    simulated engine takes as the real one would: the tuned CPU backend on the host
+    profile ("this machine"), CuPy (vLLM's GPU defaults) on a GPU."""
+    return "cpu" if gpu.kind == "host" else "cupy"
+
+
+def simulated_device(model: ModelShape, gpu: GpuProfile, dtype: str, tensor_parallel_size: int,
+                     draft: ModelShape | None = None, draft_has_own_weights: bool = False, *,
+                     quantization: str | None = None) -> DeviceMemory | None:
+    """One GPU's memory as the pool sizing sees it once the weights are loaded: the
+    profile's memory, with this GPU's share of the weights (and of a draft model's own,
+    unless it is the target's first layers) and the profile's reserved bytes in use. None
+    on the host profile (the pool is kv_cache_memory_bytes, as on the CPU backends).
+    `quantization="fp8"`: one byte per weight."""
+    if gpu.kind == "host":
+        return None
     b_w = capacity.weight_dtype_bytes(dtype, quantization)
-    b_kv = capacity.kv_cache_dtype_bytes(dtype, kv_cache_dtype)
     tp = tensor_parallel_size
-    bytes_per_block = capacity.kv_bytes_per_block(model.kv_bytes_per_token(b_kv, tp),
-                                                  block_size)
-    if draft is not None:
-        bytes_per_block += capacity.kv_bytes_per_block(draft.kv_bytes_per_token(b_kv, tp),
-                                                       block_size)
-    if config.num_gpu_blocks_override is not None:
-        num_blocks = config.num_gpu_blocks_override
-        knob = f"num_gpu_blocks_override={num_blocks}"
-    else:
-        if gpu.kind == "host":
-            num_blocks = capacity.num_blocks_for_memory(config.kv_cache_memory_bytes, 1.0, 0,
-                                                        bytes_per_block)
-            knob = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
-        else:
-            tokens = resolve_max_num_batched_tokens(config.max_num_batched_tokens, "cupy")
-            activations = (tokens * (4 * model.hidden_size + 2 * model.intermediate_size) * b
-                           // tp + min(tokens, config.max_num_seqs) * model.vocab_size * 4)
-            weights = model.total_params * b_w // tp
-            if draft is not None and draft_has_own_weights:
-                weights += draft.total_params * b_w // tp
-            try:
-                num_blocks = capacity.num_blocks_for_memory(
-                    gpu.memory_bytes, config.gpu_memory_utilization,
-                    weights + gpu.reserved_bytes, bytes_per_block, activations)
-            except ValueError as e:
-                raise ValueError(f"{model.name} on {tp} x {gpu.name}: {e}; use more GPUs "
-                                 "(--tensor-parallel-size) or a larger one") from None
-            knob = (f"gpu_memory_utilization={config.gpu_memory_utilization} of "
-                    f"{capacity.format_bytes(gpu.memory_bytes)}, weights "
-                    f"{capacity.format_bytes(weights)} per GPU")
-        # As the real engine: more blocks than max_num_seqs full-length sequences can use
-        # is memory nobody can use.
-        num_blocks = min(num_blocks, config.max_num_seqs * capacity.blocks_for_tokens(
-            max_model_len, block_size))
-    capacity.check_pool_holds_one_sequence(num_blocks, block_size, max_model_len, knob)
-    return num_blocks, knob
+    weights = model.total_params * b_w // tp
+    if draft is not None and draft_has_own_weights:
+        weights += draft.total_params * b_w // tp
+    return DeviceMemory(gpu.memory_bytes, weights + gpu.reserved_bytes,
+                        f"weights {capacity.format_bytes(weights)} per GPU, reserved "
+                        f"{capacity.format_bytes(gpu.reserved_bytes)}")
 
 
 @dataclass
@@ -156,15 +129,9 @@ class SimulatedEngine:
         set their own (SimRequest.spec_alpha) and `spec_seed` seeds the accept draws.
         `num_scheduler_steps`: vLLM V0's multi-step scheduling (multi_step.py)."""
         config = config or EngineConfig(**kwargs)
-        # The budget defaults of the backend the profile stands for (config.py): a GPU runs
-        # the CuPy backend's, "this machine" the tuned CPU backend's.
-        backend = "cpu" if gpu.kind == "host" else "cupy"
-        budget = resolve_max_num_batched_tokens(config.max_num_batched_tokens, backend)
-        self.config = config = dataclasses.replace(
-            config, max_num_batched_tokens=budget,
-            long_prefill_token_threshold=resolve_long_prefill_token_threshold(
-                config.long_prefill_token_threshold, config.max_num_batched_tokens is None,
-                budget, backend))
+        # The token budget and prefill cap the real engine would resolve on the backend
+        # the profile stands for.
+        self.config = config = resolve_token_budget(config, simulated_backend(gpu))[0]
         spec = config.speculative_config
         if spec is not None and outputs is not None:
             raise ValueError("give outputs= or a speculative_config, not both")
@@ -192,15 +159,26 @@ class SimulatedEngine:
         gpu.peak(self.dtype)  # refuses a dtype the profile has no peak for
         self.max_model_len = config.max_model_len or model.max_position_embeddings
         contiguous = config.kv_cache_layout == "contiguous"
-        self.block_size = self.max_model_len if contiguous else config.block_size
         draft = draft_model_shape(spec, model) if runs_a_model else None
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
         if isinstance(engine, str):
             engine = load_engine(engine) if gpu.kind == "gpu" else None
-        self.num_blocks, self.pool_sized_by = size_kv_pool(
-            model, gpu, config, self.dtype, tensor_parallel_size, self.max_model_len,
-            self.block_size, draft, draft is not None and spec.options["model"] != "self",
-            quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+        device = simulated_device(model, gpu, self.dtype, tensor_parallel_size, draft,
+                                  draft is not None and spec.options["model"] != "self",
+                                  quantization=quantization)
+        try:
+            pool = size_kv_pool(
+                config, model.pool_shape, capacity.DTYPE_BYTES[self.dtype],
+                self.max_model_len, device, draft.pool_shape if draft is not None else None,
+                kv_dtype_bytes=capacity.kv_cache_dtype_bytes(self.dtype, kv_cache_dtype),
+                tensor_parallel_size=tensor_parallel_size)
+        except ValueError as e:  # the memory is short: say which model on which GPUs
+            if device is None or config.num_gpu_blocks_override is not None:
+                raise
+            raise ValueError(f"{model.name} on {tensor_parallel_size} x {gpu.name}: {e}; use "
+                             "more GPUs (--tensor-parallel-size) or a larger one") from None
+        self.num_blocks, self.block_size = pool.num_blocks, pool.block_size
+        self.pool_sized_by = pool.knob
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, self.block_size,
             enable_prefix_caching=config.enable_prefix_caching and not contiguous,
@@ -230,7 +208,10 @@ class SimulatedEngine:
         return (f"KV cache {self.num_blocks} blocks x {self.block_size} tokens = {tokens} "
                 f"tokens per GPU (sized by {self.pool_sized_by}) | max_num_seqs "
                 f"{self.config.max_num_seqs}, max_num_batched_tokens "
-                f"{self.config.max_num_batched_tokens}, prefix caching "
+                f"{self.config.max_num_batched_tokens}"
+                + (f" (a prefill at most {self.config.long_prefill_token_threshold})"
+                   if self.config.long_prefill_token_threshold else "")
+                + ", prefix caching "
                 f"{'on' if self.kv_cache_manager.enable_prefix_caching else 'off'}, "
                 f"max_model_len {self.max_model_len}, tensor parallel "
                 f"{self.tensor_parallel_size}, chunked prefill "
@@ -288,24 +269,24 @@ class SimulatedEngine:
         # Live while it runs: on_step may read every request's metrics so far.
         metrics = self.metrics = {}
         request_of: dict[int, SimRequest] = {}   # seq_id -> its request
-        passes: dict[int, int] = {}
         last_token: dict[int, float] = {}        # seq_id -> when its client last got tokens
-        pending: dict[int, RequestMetrics] = {}  # seq_id -> metrics: tokens not delivered yet
+        pending: dict[int, Sequence] = {}        # seq_id -> sequence: tokens not delivered yet
         finishing: list[Sequence] = []           # retired, finished when delivered
         deferred = None  # (pending, finishing, sampling step, its out) held for the next step
 
         def deliver(batch_pending, batch_finishing, t_client, at, sampled_at):
-            for seq_id, m in batch_pending.items():
-                rid = request_of[seq_id].request_id
-                if m.first_token_time is None:
-                    m.first_token_time = t_client
+            for seq_id, seq in batch_pending.items():
+                m = metrics[seq.request_id]
+                if m.first_token_time is None:  # the client's times, as the engine stamps
+                    m.first_token_time = seq.first_token_time = t_client
                 else:
                     itl.append(t_client - last_token[seq_id])
-                steps.deliver(rid, at, sampled_at)
+                steps.deliver(seq.request_id, at, sampled_at)
                 last_token[seq_id] = t_client
             for seq in batch_finishing:
                 last_token.pop(seq.seq_id, None)
-                self._finish(metrics[seq.request_id], seq, passes[seq.seq_id], t_client)
+                seq.finish_time = t_client
+                metrics[seq.request_id].record_finish([seq], t_client)
                 if recorder is not None:
                     recorder.finish(seq.request_id, t_client)
 
@@ -333,7 +314,6 @@ class SimulatedEngine:
                                r.arrival_time)
                 sched.add_sequence(seq)
                 request_of[seq.seq_id] = r
-                passes[seq.seq_id] = 0
                 metrics[r.request_id] = RequestMetrics(arrival_time=r.arrival_time,
                                                        num_prompt_tokens=r.num_prompt_tokens)
                 if recorder is not None:
@@ -367,8 +347,9 @@ class SimulatedEngine:
             for row in out.scheduled:
                 seq = row.seq
                 if seq.seq_id in sampled:
-                    passes[seq.seq_id] += 1
-                    m = pending[seq.seq_id] = metrics[seq.request_id]
+                    pending[seq.seq_id] = seq
+                    m = metrics[seq.request_id]
+                    m.num_target_passes += 1
                     verified = update.verified.get(seq.seq_id)
                     if verified is not None:  # output_processor.make_outputs's counts
                         m.num_spec_verify_steps += 1
@@ -418,16 +399,3 @@ class SimulatedEngine:
             summary.speculative_method = self.config.speculative_config.method
         return SimResult(metrics, summary, timeline, sched.num_steps, wall, stopped, itl,
                          steps)
-
-    @staticmethod
-    def _finish(m: RequestMetrics, seq: Sequence, num_passes: int, now: float) -> None:
-        """The real engine's finish bookkeeping (output_processor.postprocess), for one
-        sequence: TPOT from the sequence's own decode time."""
-        m.finish_time = now
-        m.num_output_tokens = seq.num_output_tokens
-        decoding = seq.num_output_tokens > 1
-        m.decode_time = now - m.first_token_time if decoding else 0.0
-        m.num_decode_tokens = seq.num_output_tokens - 1 if decoding else 0
-        m.num_cached_tokens = seq.num_cached_tokens
-        m.num_preemptions = seq.num_preemptions
-        m.num_target_passes = num_passes

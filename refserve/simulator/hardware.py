@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refserve import capacity
+from refserve.engine_setup import PoolShape
 
 PROFILES_FILE = Path(__file__).with_name("gpus.toml")
 THIS_MACHINE = "this-machine"
@@ -288,13 +289,17 @@ class ModelShape:
         """num_heads * head_dim: the width of q and of the attention output."""
         return self.num_heads * self.head_dim
 
+    @property
+    def pool_shape(self) -> PoolShape:
+        """What the engine's pool sizing reads of this model (engine_setup.PoolShape)."""
+        return PoolShape(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                         head_dim=self.head_dim, hidden_size=self.hidden_size,
+                         intermediate_size=self.intermediate_size, vocab_size=self.vocab_size)
+
     def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-        """2 * layers * kv_heads * head_dim * bytes, of ONE GPU: with tensor parallelism
-        the KV heads are split across GPUs; a GPU keeps at least one (vLLM replicates KV
-        heads when there are fewer than GPUs)."""
-        kv_heads = max(1, self.num_kv_heads // tensor_parallel_size)
-        return capacity.kv_bytes_per_token(self.num_layers, kv_heads, self.head_dim,
-                                           dtype_bytes)
+        """KV bytes per token of ONE GPU, the pool sizing's (PoolShape.kv_bytes_per_token:
+        the KV heads split across GPUs, at least one each)."""
+        return self.pool_shape.kv_bytes_per_token(dtype_bytes, tensor_parallel_size)
 
 
 def load_model(model: str) -> ModelShape:

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refserve.capacity import blocks_for_tokens
 from refserve.config import EngineConfig
 from refserve.simulator.cost_model import CostModel
 from refserve.simulator.engine import SimulatedEngine
@@ -240,7 +241,8 @@ def engine_config(m: Measurement) -> EngineConfig:
         return EngineConfig(batching="static", max_num_seqs=m.batch_size,
                             max_num_batched_tokens=m.batch_size * m.input_len,
                             max_model_len=tokens, enable_prefix_caching=False,
-                            num_gpu_blocks_override=m.batch_size * -(-tokens // 16),
+                            num_gpu_blocks_override=m.batch_size * blocks_for_tokens(
+                                tokens, EngineConfig.block_size),
                             dtype=m.dtype)
     return EngineConfig(max_num_seqs=m.max_num_seqs,
                         max_num_batched_tokens=m.max_num_batched_tokens,

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from refserve.kv_cache.block_table import blocks_for_tokens
 from refserve.model_runner import ModelInputs, build_attention_metadata
 
 
@@ -65,7 +66,7 @@ def forward_seconds(model, num_seqs: int, query_len: int, context_len: int = 64,
     if model.xp is not np:
         return None
     c, total = model.config, context_len + query_len
-    per_seq = -(-total // block_size)
+    per_seq = blocks_for_tokens(total, block_size)
     caches = model.backend.allocate_kv_cache(c.num_hidden_layers, num_seqs * per_seq,
                                              block_size, c.num_key_value_heads,
                                              c.head_dim, dtype=model.dtype)

@@ -39,6 +39,7 @@ def propose(token_ids: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: in
         raise ValueError(f"max_n={max_n!r}: must be an integer >= min_n={min_n} "
                          "(prompt_lookup_max)")
     # BEGIN EXERCISE ngram_proposal: the longest suffix n matched, its MOST RECENT match, next k
+    # ... return at most k token ids (a list; [] when nothing matches)
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)
     if length < 2:

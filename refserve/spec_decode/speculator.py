@@ -80,10 +80,8 @@ class Speculator:
                 or sp.rewrites_logits or sp.logprobs is not None
                 or seq.num_output_tokens < sp.min_tokens):
             return 0
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
-        room = min(max_tokens - seq.num_output_tokens,
-                   self.max_model_len - seq.num_tokens) - 1
-        return max(room, 0)
+        room = sp.max_output_tokens(seq.num_prompt_tokens, self.max_model_len)
+        return max(room - seq.num_output_tokens - 1, 0)
 
     def observe(self, update: StepUpdate) -> None:
         """After update: each verify row's (proposed, accepted) feeds the adaptive rule."""
