@@ -71,10 +71,24 @@ def test_a_busy_neighbour_takes_a_thread_and_gives_it_back():
 def test_it_measures_at_most_once_per_interval():
     m = FakeMachine()
     policy = m.policy()
+    m.run(ct.FIRST_INTERVAL, ours=2.0, others=0.0)
+    assert policy.threads() == 2 and policy.free_cpus == pytest.approx(2.0)   # the first
     m.run(ct.INTERVAL / 2, ours=0.0, others=2.0)
-    assert policy.threads() == 2 and policy.free_cpus is None   # too early to measure
+    assert policy.threads() == 2 and policy.free_cpus == pytest.approx(2.0)   # too early
     m.run(ct.INTERVAL / 2, ours=0.0, others=2.0)
     assert policy.threads() == 1                                # the whole interval counts
+
+
+def test_a_neighbour_busy_before_the_start_takes_a_thread_at_the_first_measurement():
+    """The first measurement comes FIRST_INTERVAL after the start, not a whole INTERVAL:
+    two threads beside a busy loop make every step many times slower meanwhile."""
+    assert ct.FIRST_INTERVAL < ct.INTERVAL
+    m = FakeMachine()
+    policy = m.policy()
+    m.run(ct.FIRST_INTERVAL / 2, ours=0.0, others=1.0)
+    assert policy.threads() == 2 and policy.free_cpus is None   # too early to measure
+    m.run(ct.FIRST_INTERVAL / 2, ours=0.0, others=1.0)
+    assert policy.threads() == 1
 
 
 def test_a_fixed_count_is_never_measured():

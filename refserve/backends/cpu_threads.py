@@ -7,8 +7,8 @@ the 2-core development machine, batch-1 decode went from 40 to 121 ms per token 
 OpenBLAS threads beside one busy-loop process, and from 58 to 63 ms on one. Two threads are
 1.4x faster than one on idle cores; on a busy machine they collapse.
 
-POLICY (`REFSERVE_CPU_THREADS`, default "auto"). Every INTERVAL seconds, from the
-`linear` calls of a running engine:
+POLICY (`REFSERVE_CPU_THREADS`, default "auto"). Every INTERVAL seconds (the first time
+FIRST_INTERVAL after the policy starts), from the steps of a running engine:
 
     free    = CPUs of this process's affinity mask - the CPU time other processes (and the
               hypervisor: steal) used on them over the interval, per second of it
@@ -39,6 +39,9 @@ import time
 
 ENV = "REFSERVE_CPU_THREADS"
 INTERVAL = 0.5     # seconds between two measurements of the free CPUs
+FIRST_INTERVAL = 0.1  # the first one comes sooner: a busy neighbour already there when the
+                      # policy starts would otherwise meet a whole interval of two-thread
+                      # steps, each many times slower (10 ticks of /proc/stat per CPU: enough)
 FREE_SHARE = 0.75  # a CPU counts as free when others used at most 1 - FREE_SHARE of it
 # Columns of a /proc/stat cpu line that are busy time (user nice system idle iowait irq
 # softirq steal ...): everything but idle and iowait; guest time is inside user already.
@@ -119,7 +122,8 @@ class ThreadPolicy:
 
     def threads(self) -> int:
         """The thread count to compute with now, re-measured when INTERVAL has passed."""
-        if self.adaptive and self._clock() - self._last[0] >= INTERVAL:
+        due = INTERVAL if self.free_cpus is not None else FIRST_INTERVAL
+        if self.adaptive and self._clock() - self._last[0] >= due:
             now = self._sample()
             (t0, busy0, own0), (t1, busy1, own1) = self._last, now
             self._last = now

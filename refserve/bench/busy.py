@@ -123,7 +123,9 @@ def run(args) -> dict:
 
     for value in args.threads:  # checked before the engine loads
         thread_setting(value)
-    llm = traced(args, LLM(model=args.model, backend=args.backend,
+    # Prefix caching off: every run of a round sends the same prompts, and with it on only
+    # the round's first run would compute its prefills (the others would hit the cache).
+    llm = traced(args, LLM(model=args.model, backend=args.backend, enable_prefix_caching=False,
                            max_num_seqs=args.max_num_seqs, progress=False), "busy")
     backend = llm.llm_engine.backend
     if not hasattr(backend, "threads"):
