@@ -71,11 +71,12 @@ def kernel_rows(model, context: int, rows=ROWS) -> list[dict]:
 def _attention(model, rows: int, context: int) -> dict:
     """Decode attention of `rows` sequences over `context` keys, every layer, each layer's
     cache its own (so keys come from memory)."""
+    from refserve.kv_cache.block_table import blocks_for_tokens
     from refserve.model_runner import build_attention_metadata
 
     c, backend = model.config, model.backend
     block_size = 16
-    per_seq = -(-(context + 1) // block_size)
+    per_seq = blocks_for_tokens(context + 1, block_size)
     caches = backend.allocate_kv_cache(c.num_hidden_layers, rows * per_seq, block_size,
                                        c.num_key_value_heads, c.head_dim)
     rng = np.random.default_rng(1)
