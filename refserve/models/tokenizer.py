@@ -28,6 +28,7 @@ code written for vLLM may call any of its methods); it is loaded on first call.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -75,14 +76,15 @@ class FastTokenizer:
         self.added_tokens_decoder = {
             int(i): t.content for i, t in self._tokenizer.get_added_tokens_decoder().items()}
         self._compiled = {}
+        # decode(ids, skip_special_tokens=False) is tokenizers' own, bound here rather than
+        # wrapped in a method: the engine decodes at every step (IncrementalDetokenizer), and
+        # with no Python frame between the two a step runs no line of this file.
+        self.decode = functools.partial(self._tokenizer.decode, skip_special_tokens=False)
 
     # ------------------------------------------------------------------ tokens
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids):
         if isinstance(ids, int):
