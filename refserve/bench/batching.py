@@ -183,7 +183,8 @@ def dense_matmul_floor(model, rows: int, repeats: int = 5) -> float:
     backend's `linear` (spec_decode/cost_probe.dense_seconds). Every layer's weights are
     distinct, 538 MB for SmolLM2-135M, so they stream from memory as in the forward (one
     layer's 14 MB reused 30 times would sit in the 32 MB L3 and make the floor optimistic).
-    The best of `repeats`: a floor no decode step of this model beats on this machine."""
+    The best of `repeats`: what a decode step costs if nothing but its products ran (on
+    the compiled kernels a step's forward comes within a few percent of it)."""
     return 1000 * min(dense_seconds(model, [rows], repeats=repeats)[rows])
 
 
