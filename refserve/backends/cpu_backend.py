@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refserve.backends import compiled
+import refserve.backends.compiled as compiled
 from refserve.backends.base import AttentionMetadata
 from refserve.backends.cpu_attention import PagedAttention, chunk_attention
 from refserve.backends.cpu_sampling import dense_weights, sample_tokens
@@ -77,7 +77,9 @@ class CpuBackend(NumpyBackend):
         self._tasks_key: bytes | None = None     # the step the attention tasks are for
         self._tasks: tuple | None = None
         if self.compiled:                        # numba is imported here, not at import
-            from refserve.backends import cpu_attention_kernel, cpu_forward, cpu_linear
+            import refserve.backends.cpu_attention_kernel as cpu_attention_kernel
+            import refserve.backends.cpu_forward as cpu_forward
+            import refserve.backends.cpu_linear as cpu_linear
 
             self.threads.cap_blas(1)             # here: only the main thread can set it
 

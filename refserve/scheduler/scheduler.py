@@ -23,15 +23,14 @@ next query tokens. `schedule()` does, in this order:
              except by the policy's order. Admission never preempts, and a step that had to
              preempt admits nobody (the pool just proved short).
 
-This is vLLM's mixed schedule (enable_chunked_prefill=True): decodes first, prefill chunks
-in what is left of the budget; vLLM V0's prefill-first one is prefill_first.py's subclass.
+This is vLLM's mixed schedule (enable_chunked_prefill=True): decodes first, prefill chunks in
+what is left of the budget; vLLM V0's prefill-first one is prefill_first.py's subclass.
 
-`update()` then applies the computed step (UPDATE) and RETIRES finished sequences, which
-give their seats and blocks back in the same step, so the next `schedule()` refills them.
-`update` is the ONLY place a sequence finishes (abort, the user's call, is the only other
-way out) and the only place `num_computed_tokens` advances (preemption by recompute resets
-it). Outside a step, `add_sequence` queues a sequence, `abort` stops one, and `fork` gives
-a parallel-sampling parent its children.
+`update()` then applies the computed step (UPDATE) and RETIRES finished sequences, which give
+their seats and blocks back in the same step, so the next `schedule()` refills them. `update`
+is the ONLY place a sequence finishes (abort, the user's call, is the only other way out) and
+the only place `num_computed_tokens` advances (preemption by recompute resets it). Outside a
+step, `add_sequence` queues a sequence, `abort` stops one, `fork` gives a parent its children.
 """
 
 from __future__ import annotations
@@ -324,10 +323,8 @@ class Scheduler:
         out.num_batched_tokens = sum(row.num_scheduled_tokens
                                      for row in out.scheduled + out.padding)
         out.num_seats_used = self.num_seats_used
-        assert out.num_batched_tokens <= out.max_num_batched_tokens, \
-            f"{out.num_batched_tokens} tokens over the budget {out.max_num_batched_tokens}"
-        assert out.num_seats_used <= out.max_num_seqs, \
-            f"{out.num_seats_used} seats used, max_num_seqs {out.max_num_seqs}"
+        assert out.num_batched_tokens <= out.max_num_batched_tokens, f"budget: {out}"
+        assert out.num_seats_used <= out.max_num_seqs, f"seats: {out}"
         self.slot_steps_used += len(out.scheduled)
         self.slot_steps_wasted += len(out.padding)
         self.num_steps += 1
